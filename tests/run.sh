@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The one test command (CPU). Creates or reuses a light venv that imports vLLM 0.28.0,
+# copies the pristine vllm package, applies patches/series to the copy and runs pytest
+# against it. GPU tests (-m gpu) are skipped here; tests/gpu/README.md runs them.
+#   bash tests/run.sh [pytest args...]      e.g. bash tests/run.sh -k patchset -x
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="${QS_CPU_VENV:-$ROOT/.venv-cpu}"
+PY="$VENV/bin/python"
+step() { printf '== %s\n' "$*"; }
+fail() { printf 'tests/run.sh: %s\n' "$*" >&2; exit 1; }
+
+# 1. venv, rebuilt only when the pinned lists or the Python change
+stamp="$(cat tests/cpu-requirements.txt tests/dev-requirements.txt; python3 --version)"
+stamp="$(printf '%s' "$stamp" | sha256sum | cut -c1-16)"
+if [ "$(cat "$VENV/.qs-stamp" 2>/dev/null)" != "$stamp" ]; then
+  step "creating CPU venv $VENV (torch 2.13.0 CPU, vllm 0.28.0 --no-deps; ~2 min)"
+  rm -rf "$VENV"
+  python3 -m venv "$VENV" || fail "python3 -m venv failed (install python3-venv)"
+  "$PY" -m pip install -q --upgrade pip || fail "pip upgrade failed"
+  "$PY" -m pip install -q torch==2.13.0 || fail "torch 2.13.0 install failed"
+  "$PY" -m pip install -q --no-deps vllm==0.28.0 || fail "vllm 0.28.0 install failed"
+  "$PY" -m pip install -q --no-deps -r tests/cpu-requirements.txt || fail "light deps failed"
+  "$PY" -m pip install -q -r tests/dev-requirements.txt || fail "test tools failed"
+  echo "$stamp" > "$VENV/.qs-stamp"
+else
+  step "reusing CPU venv $VENV"
+fi
+SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+PRISTINE="$SITE/vllm"
+[ -f "$PRISTINE/_version.py" ] || fail "no vllm package in $SITE (delete $VENV and re-run)"
+
+# 2. a patched copy of the pristine package; the venv's own copy is never modified
+PATCHED_ROOT="${QS_PATCHED_ROOT:-$ROOT/build/vllm-patched}"
+step "copying pristine vllm to $PATCHED_ROOT and applying patches/series"
+rm -rf "$PATCHED_ROOT"; mkdir -p "$PATCHED_ROOT"
+cp -a "$PRISTINE" "$PATCHED_ROOT/vllm"
+PYTHONPATH="$ROOT" "$PY" -m qwen_serving.patchset apply --vllm-dir "$PATCHED_ROOT/vllm"
+
+# 3. lint, then pytest against the patched copy
+step "ruff"
+"$VENV/bin/ruff" check .
+step "pytest (not gpu)"
+export QS_PRISTINE_VLLM="$PRISTINE" QS_PATCHED_VLLM="$PATCHED_ROOT/vllm"
+export VLLM_TARGET_DEVICE=cpu PYTHONPATH="$PATCHED_ROOT:$ROOT"
+rc=0
+"$PY" -m pytest -m "not gpu" -p no:cacheprovider "$@" tests || rc=$?
+[ "$rc" -eq 5 ] && fail "pytest collected no tests"
+exit "$rc"

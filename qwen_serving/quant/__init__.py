@@ -1,0 +1,1 @@
+"""Quantization: int4/int8 group quantization, packing, checkpoint rewrites."""

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Install the serving stack into ./venv: Python 3.12 (3.11 accepted), vllm==0.28.0 (torch 2.13.0),
+# this package, the vLLM patch series, then `verify.sh --install`. Safe to run again: a second
+# run changes nothing and says so. Env: QS_VENV (default ./venv), PYTHON (interpreter to use).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$ROOT"
+VENV="${QS_VENV:-$ROOT/venv}"
+PY="$VENV/bin/python"
+PIN_VLLM=$(sed -n 's/^VLLM_PIN = "\(.*\)"/\1/p' qwen_serving/__init__.py)
+step() { printf '[install] %s\n' "$*"; }
+fail() { printf '[install] FAILED at step "%s": %s\n' "$1" "$2" >&2; exit 1; }
+
+installed() {  # venv present, pins satisfied, package importable, series applied
+  [ -x "$PY" ] || return 1
+  [ "$("$PY" -c 'import importlib.metadata as m; print(m.version("vllm"))' 2>/dev/null)" = "$PIN_VLLM" ] || return 1
+  "$PY" -c 'import qwen_serving' 2>/dev/null || return 1
+  "$PY" -m qwen_serving.patchset verify >/dev/null 2>&1
+}
+
+if installed && bash verify.sh --install --quiet >/dev/null 2>&1; then
+  echo "[install] already installed: $VENV has vllm $PIN_VLLM with the patch series applied; nothing changed"
+  exit 0
+fi
+
+if [ ! -x "$PY" ]; then
+  step "1/4 create $VENV"
+  PYTHON="${PYTHON:-$(command -v python3.12 || command -v python3.11 || command -v python3 || true)}"
+  [ -n "$PYTHON" ] || fail "create venv" "no python3 found; install Python 3.12 (e.g. apt-get install python3.12-venv)"
+  "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+    || fail "create venv" "$PYTHON is $("$PYTHON" -V 2>&1); Python >= 3.11 is required (3.12 preferred): set PYTHON=/path/to/python3.12"
+  "$PYTHON" -m venv "$VENV" || fail "create venv" "python -m venv failed; install the venv module (apt-get install python3.12-venv)"
+else
+  step "1/4 reuse $VENV ($("$PY" -V 2>&1))"
+fi
+
+step "2/4 pip install vllm==$PIN_VLLM (pins torch 2.13.0) and qwen-serving[serve]; first time downloads ~5 GB"
+"$PY" -m pip install -q --upgrade pip || fail "pip install" "could not upgrade pip (network?)"
+"$PY" -m pip install --progress-bar on -e "${ROOT}[serve]" \
+  || fail "pip install" "pip could not install the pinned stack; check network and disk, then re-run install.sh"
+
+step "3/4 apply the vLLM patch series (patches/series)"
+"$PY" -m qwen_serving.patchset apply \
+  || fail "patch series" "see the patch named above; a vLLM other than $PIN_VLLM needs: $PY -m pip install vllm==$PIN_VLLM"
+
+step "4/4 verify.sh --install"
+bash verify.sh --install || fail "verify" "a check above failed; fix it and re-run install.sh"
+step "done: start a server with 'bash single-user/start_qwen.sh' or 'bash batch/start_qwen.sh'"

@@ -1,0 +1,164 @@
+"""bench/run_benchmarks.sh without a GPU: the prompts file, the run plan, the `vllm bench serve`
+arguments (parsed by vLLM 0.28.0's own parser), argument errors, and what it reads from a server."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from qwen_serving import benchreport as br
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "bench" / "run_benchmarks.sh"
+PROMPTS = REPO / "bench" / "prompts_real.jsonl"
+
+
+def test_prompts_file_fits_vllm_custom_dataset():
+    lines = PROMPTS.read_text(encoding="utf-8").splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert len(rows) == 8
+    # CustomDataset (vllm/benchmarks/datasets/datasets.py) needs `prompt`; `output_tokens` is its per-row length
+    assert all(isinstance(r["prompt"], str) and len(r["prompt"].split()) >= 30 for r in rows)
+    assert all(r["output_tokens"] == 1024 for r in rows)
+    assert len({r["prompt"] for r in rows}) == 8
+    assert {r["lang"] for r in rows} == {"en", "da", "code"}
+    danish = [r["prompt"] for r in rows if r["lang"] == "da"]
+    assert danish and all(any(ch in p for ch in "æøå") for p in danish)
+
+
+def test_plan_single_and_batch():
+    single = br.plan_runs("single")
+    assert [(r.name, r.concurrency, r.dataset, r.num_prompts, r.output_len) for r in single] == [
+        ("C1", 1, "custom", 8, 1024), ("C2", 2, "custom", 8, 1024), ("C4", 4, "custom", 8, 1024),
+        ("C8", 8, "custom", 8, 1024)]
+    (batch,) = br.plan_runs("batch")
+    assert (batch.name, batch.concurrency, batch.dataset, batch.input_len, batch.output_len) == ("C64", 64, "random",
+                                                                                                 128, 512)
+    assert batch.num_prompts == 256
+    full = br.plan_runs("single", prefill=True, long=True)
+    assert [r.name for r in full][4:] == ["prefill-1024", "prefill-4096", "prefill-16384",
+                                          "long-8192", "long-16384", "long-32768"]
+    assert all(r.output_len == 1 and r.concurrency == 1 for r in full if r.section == "prefill")
+    assert len({r.name for r in full}) == len(full)  # names key the report and the per-call cache salt
+    with pytest.raises(ValueError, match="replay"):
+        br.plan_runs("single", num_prompts=9)
+    with pytest.raises(ValueError, match="single or batch"):
+        br.plan_runs("both")
+
+
+@pytest.fixture(scope="module")
+def vllm_bench_parser():
+    from vllm.benchmarks import serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    serve.add_cli_args(parser)
+    return parser
+
+
+def test_bench_serve_args_parse_in_vllm(vllm_bench_parser, tmp_path):
+    c4 = br.plan_runs("single", cohorts=(4,))[0]
+    args = br.bench_serve_args(c4, base_url="http://h:1", seed=11, cache_salt="tag-11-C4", result_dir=str(tmp_path),
+                               prompts_file=str(PROMPTS), tokenizer="/models/x", ignore_eos=True, temperature=0.0)
+    ns = vllm_bench_parser.parse_args(args)
+    assert (ns.dataset_name, ns.dataset_path, ns.custom_output_len) == ("custom", str(PROMPTS), 1024)
+    assert (ns.max_concurrency, ns.num_prompts, ns.seed, ns.request_rate) == (4, 8, 11, float("inf"))
+    assert ns.extra_body == {"cache_salt": "tag-11-C4"}
+    assert ns.chat_template_kwargs == {"enable_thinking": False}
+    assert (ns.ignore_eos, ns.temperature, ns.tokenizer) == (True, 0.0, "/models/x")
+    assert (ns.save_result, ns.result_dir, ns.result_filename) == (True, str(tmp_path), "C4.json")
+    assert ns.base_url == "http://h:1" and ns.endpoint == "/v1/completions"
+    assert ns.ready_check_timeout_sec == 0  # no request outside the /metrics window
+    assert set(ns.percentile_metrics.split(",")) == {"ttft", "tpot", "itl", "e2el"}
+
+    prefill = br.plan_runs("batch", prefill=True)[1]
+    ns = vllm_bench_parser.parse_args(br.bench_serve_args(
+        prefill, base_url="http://h:1", seed=12, cache_salt="s", result_dir=str(tmp_path), prompts_file=str(PROMPTS)))
+    assert (ns.dataset_name, ns.random_input_len, ns.random_output_len, ns.max_concurrency) == ("random", 1024, 1, 1)
+    assert ns.temperature is None and not ns.ignore_eos  # random datasets turn ignore_eos on inside vllm bench serve
+
+
+def run_script(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHON=sys.executable, **(env_extra or {}))
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_script_help_and_bad_arguments(tmp_path):
+    help_ = run_script("--help")
+    assert help_.returncode == 0
+    assert "{single,batch}" in help_.stdout and "--prefill" in help_.stdout and "C x 1000 / mean TPOT" in help_.stdout
+    bad = run_script("fast")
+    assert bad.returncode == 2 and "invalid choice: 'fast'" in bad.stderr
+    assert run_script().returncode == 2
+    bad_tag = run_script("single", "--tag", "../x")
+    assert bad_tag.returncode == 2 and "plain file name" in bad_tag.stderr
+    bad_cohorts = run_script("batch", "--cohorts", "1,x")
+    assert bad_cohorts.returncode == 2 and "comma-separated" in bad_cohorts.stderr
+    too_many = run_script("single", "--num-prompts", "20", "--out", str(tmp_path))
+    assert too_many.returncode == 2 and "replay" in too_many.stderr
+
+
+def test_script_without_server_writes_nothing(tmp_path):
+    res = run_script("single", "--url", "http://127.0.0.1:9", "--out", str(tmp_path), "--tag", "t")
+    assert res.returncode == 3
+    assert "no usable vLLM server at http://127.0.0.1:9" in res.stderr
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "t.json").write_text("{}")
+    again = run_script("single", "--url", "http://127.0.0.1:9", "--out", str(tmp_path), "--tag", "t")
+    assert again.returncode == 2 and "exists" in again.stderr
+    assert (tmp_path / "t.json").read_text() == "{}"
+
+
+class _FakeVllm(http.server.ThreadingHTTPServer):
+    """Answers the read-only routes the harness asks a vLLM 0.28.0 server for (no /server_info: dev mode off)."""
+
+    def __init__(self, metrics_text: str, api_key: str):
+        routes = {
+            "/version": json.dumps({"version": "0.28.0"}),
+            "/v1/models": json.dumps({"object": "list", "data": [
+                {"id": "qwen3.8-27b", "object": "model", "root": "/models/q", "max_model_len": 65536}]}),
+            "/metrics": metrics_text,
+        }
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                body = routes.get(self.path)
+                authorized = self.path == "/metrics" or self.headers.get("Authorization") == f"Bearer {api_key}"
+                code = 401 if not authorized else 200 if body is not None else 404
+                data = (body if code == 200 else '{"detail":"Not Found"}').encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
+def test_server_facts_from_a_vllm_like_server():
+    sys.path.insert(0, str(REPO / "bench"))
+    import harness
+
+    server = _FakeVllm((REPO / "bench" / "fixtures" / "metrics_before.txt").read_text(), "k")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}"
+        facts = harness.server_facts(base, "k")
+        with pytest.raises(RuntimeError, match="HTTP 401"):
+            harness.server_facts(base, "wrong")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert facts["vllm_version"] == "0.28.0"
+    assert facts["model"] == {"id": "qwen3.8-27b", "root": "/models/q", "max_model_len": 65536}
+    assert facts["cache_config"]["enable_prefix_caching"] == "True"
+    assert facts["vllm_config"] is None and "VLLM_SERVER_DEV_MODE=1" in facts["vllm_config_note"]

@@ -1,0 +1,232 @@
+"""API smoke test of a running server: the OpenAI routes and Anthropic /v1/messages, one PASS/FAIL line
+per feature, exit code = number of failures.
+
+    python bench/api_smoke.py [--url http://127.0.0.1:18020] [--api-key K] [--json OUT.json]
+
+Checks are built to hold on random weights too: stop strings are taken from the model's own greedy
+output, streaming is compared with the same greedy request unstreamed, tool calls are forced by name.
+Structured output on random weights can run out of tokens inside a whitespace run (xgrammar allows
+any whitespace between JSON tokens); that is reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qwen_serving.benchreport import write_json_atomic  # noqa: E402
+
+PROMPT = [{"role": "user", "content": "Write three sentences about the sea."}]
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+class Api:
+    def __init__(self, base: str, key: str | None, model: str | None):
+        self.base, self.key = base.rstrip("/").removesuffix("/v1"), key
+        self.model = model or self.get("/v1/models")["data"][0]["id"]
+
+    def _request(self, path: str, body: dict | None) -> urllib.request.Request:
+        headers = {"Content-Type": "application/json"}
+        if self.key:
+            headers["Authorization"] = f"Bearer {self.key}"
+            headers["x-api-key"] = self.key
+        data = None if body is None else json.dumps({"model": self.model, **body}).encode()
+        return urllib.request.Request(self.base + path, data=data, headers=headers)
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(self._request(path, None), timeout=60) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: dict) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self._request(path, body), timeout=300) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def stream(self, path: str, body: dict) -> list[tuple[str | None, dict | str]]:
+        """(event name, data) of each server-sent event; data is parsed JSON, or the raw '[DONE]'."""
+        events, event = [], None
+        with urllib.request.urlopen(self._request(path, {**body, "stream": True}), timeout=300) as r:
+            for raw in r:
+                line = raw.decode().rstrip("\n")
+                if line.startswith("event:"):
+                    event = line[6:].strip()
+                elif line.startswith("data:"):
+                    data = line[5:].strip()
+                    events.append((event, data if data == "[DONE]" else json.loads(data)))
+        return events
+
+    def chat(self, **body) -> dict:
+        status, out = self.post("/v1/chat/completions", {"messages": PROMPT, **NO_THINK, **body})
+        if status != 200:
+            raise AssertionError(f"HTTP {status}: {json.dumps(out)[:300]}")
+        return out
+
+
+def check_chat(api: Api) -> str:
+    out = api.chat(max_tokens=16)
+    choice = out["choices"][0]
+    assert choice["finish_reason"] in ("stop", "length"), choice["finish_reason"]
+    assert out["usage"]["completion_tokens"] > 0
+    return f"{out['usage']['completion_tokens']} tokens, finish {choice['finish_reason']}"
+
+
+def check_logprobs(api: Api) -> str:
+    out = api.chat(max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == out["usage"]["completion_tokens"], (len(content), out["usage"])
+    assert all(e["logprob"] <= 0 and len(e["top_logprobs"]) == 3 for e in content)
+    # greedy: the chosen token is the most likely one
+    assert all(e["logprob"] >= max(t["logprob"] for t in e["top_logprobs"]) - 1e-3 for e in content)
+    return f"{len(content)} tokens x top-3, greedy token is the top-1"
+
+
+def check_prompt_logprobs(api: Api) -> str:
+    status, out = api.post("/v1/completions", {"prompt": "The capital of Denmark is", "max_tokens": 1,
+                                               "prompt_logprobs": 2})
+    assert status == 200, out
+    plp = out["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == out["usage"]["prompt_tokens"], (plp[:2], out["usage"])
+    assert all(1 <= len(entry) <= 3 for entry in plp[1:])  # top-2 plus the actual token when it is not in them
+    return f"{len(plp)} prompt positions"
+
+
+def check_n(api: Api) -> str:
+    out = api.chat(max_tokens=8, n=3, temperature=1.0)
+    assert sorted(c["index"] for c in out["choices"]) == [0, 1, 2]
+    return "3 choices"
+
+
+def check_stop(api: Api) -> str:
+    free = api.chat(max_tokens=24, temperature=0)["choices"][0]["message"]["content"]
+    assert len(free) >= 6, f"greedy answer too short to cut: {free!r}"
+    cut = len(free) // 2
+    stop = free[cut:cut + 3]
+    out = api.chat(max_tokens=24, temperature=0, stop=[stop])["choices"][0]
+    expected = free[:free.index(stop)]
+    assert out["finish_reason"] == "stop" and out["message"]["content"] == expected, (out, expected)
+    return f"stopped at {stop!r} from the model's own greedy text"
+
+
+def check_seed(api: Api) -> str:
+    texts = [api.chat(max_tokens=16, temperature=1.0, seed=1234)["choices"][0]["message"]["content"]
+             for _ in range(2)]
+    assert texts[0] == texts[1], texts
+    return "same seed, same sampled text"
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Aarhus", "Odense", "Aalborg"]},
+                                           "coastal": {"type": "boolean"}},
+          "required": ["city", "coastal"], "additionalProperties": False}
+
+
+def check_structured(api: Api) -> str:
+    out = api.chat(max_tokens=128, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "town", "schema": SCHEMA}})
+    choice = out["choices"][0]
+    text = choice["message"]["content"]
+    assert choice["finish_reason"] == "stop", (f"finish {choice['finish_reason']} before the object closed "
+                                               f"(random weights loop on whitespace): {text[:80]!r}")
+    value = json.loads(text)
+    assert set(value) == {"city", "coastal"} and value["city"] in SCHEMA["properties"]["city"]["enum"]
+    assert isinstance(value["coastal"], bool)
+    return f"valid against the schema: {text.strip()}"
+
+
+def check_penalties(api: Api) -> str:
+    api.chat(max_tokens=8, presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.3)
+    status, _ = api.post("/v1/chat/completions", {"messages": PROMPT, "max_tokens": 4, "presence_penalty": 5.0})
+    assert status == 400, f"presence_penalty 5.0 (outside [-2, 2]) gave HTTP {status}"
+    return "accepted in range, HTTP 400 outside it"
+
+
+def check_streaming(api: Api) -> str:
+    body = {"messages": PROMPT, **NO_THINK, "max_tokens": 16, "temperature": 0}
+    events = api.stream("/v1/chat/completions", body)
+    assert events and events[-1][1] == "[DONE]"
+    text = "".join(d["choices"][0]["delta"].get("content") or "" for _, d in events[:-1] if d.get("choices"))
+    whole = api.chat(max_tokens=16, temperature=0)["choices"][0]["message"]["content"]
+    assert text == whole, (text, whole)
+    return f"{len(events) - 1} chunks, text equals the unstreamed answer"
+
+
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Copenhagen", "Aarhus"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def check_tool_call(api: Api) -> str:
+    out = api.chat(max_tokens=128, temperature=0, tools=[TOOL],
+                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    calls = out["choices"][0]["message"].get("tool_calls") or []
+    assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather", calls
+    args = json.loads(calls[0]["function"]["arguments"])
+    assert args.get("city") in ("Copenhagen", "Aarhus"), args
+    return f"forced call get_weather({args})"
+
+
+def check_anthropic(api: Api) -> str:
+    status, out = api.post("/v1/messages", {"max_tokens": 16, "messages": PROMPT})
+    assert status == 200, out
+    assert out["type"] == "message" and out["role"] == "assistant", out
+    assert out["content"][0]["type"] == "text" and out["usage"]["output_tokens"] > 0
+    return f"{out['usage']['output_tokens']} tokens, stop_reason {out.get('stop_reason')}"
+
+
+def check_anthropic_stream(api: Api) -> str:
+    events = api.stream("/v1/messages", {"max_tokens": 16, "messages": PROMPT})
+    kinds = [e for e, _ in events]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
+    assert "content_block_delta" in kinds
+    return f"{len(events)} events, message_start .. message_stop"
+
+
+CHECKS: list[tuple[str, Callable[[Api], str]]] = [
+    ("chat", check_chat), ("logprobs", check_logprobs), ("prompt_logprobs", check_prompt_logprobs),
+    ("n", check_n), ("stop", check_stop), ("seed", check_seed), ("structured_output", check_structured),
+    ("penalties", check_penalties), ("streaming", check_streaming), ("tool_call", check_tool_call),
+    ("anthropic_messages", check_anthropic), ("anthropic_streaming", check_anthropic_stream),
+]
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:18020")
+    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--model", help="default: the server's first model")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args(argv)
+    try:
+        api = Api(args.url, args.api_key, args.model)
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        print(f"FAIL server: no usable server at {args.url}: {e}")
+        return len(CHECKS)
+    results = {}
+    for name, check in CHECKS:
+        t0 = time.time()
+        try:
+            detail, ok = check(api), True
+        except (AssertionError, OSError, ValueError, KeyError, IndexError, TypeError) as e:
+            detail, ok = f"{type(e).__name__}: {e}"[:400], False
+        results[name] = {"passed": ok, "detail": detail, "seconds": round(time.time() - t0, 2)}
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+    failures = sum(not r["passed"] for r in results.values())
+    print(f"{len(CHECKS) - failures}/{len(CHECKS)} passed")
+    if args.json:
+        write_json_atomic(args.json, {"url": api.base, "model": api.model, "checks": results})
+    return failures
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,178 @@
+"""Where one decode step's time goes, at C1 and C64, on a running server started with vLLM's torch profiler:
+
+    vllm serve CKPT ... --profiler-config '{"profiler": "torch", "torch_profiler_dir": "/abs/TRACES",
+        "torch_profiler_use_gzip": false, "torch_profiler_with_stack": false}'
+    python bench/step_profile.py --url URL --trace-dir /abs/TRACES --model-dir CKPT --out OUT.json
+
+Per batch size B: B streams without the profiler give the measured time per token; the same load
+between /start_profile and /stop_profile gives a trace, which qwen_serving.stepprofile splits into
+kernel time per category and gaps. Bytes per category (weights from the checkpoint's safetensors
+headers, GDN state and KV from its config) are set against the device copy bandwidth measured here
+(--bandwidth-gbps to give it instead). Writes OUT.json and OUT.png (stacked bars).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from conc_ladder import Client, document, stream_one  # noqa: E402
+
+from qwen_serving import benchreport as br  # noqa: E402
+from qwen_serving import stepprofile as sp  # noqa: E402
+
+
+def device_copy_gbps(nbytes: int = 1 << 30) -> float | None:
+    """(read + write) bytes per second of a device-to-device copy, best of 10; None without CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000.0)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / best / 1e9
+
+
+def run_streams(client: Client, model: str, batch: int, tokens: int, salt: str) -> dict:
+    outs = [{} for _ in range(batch)]
+    bodies = [{"model": model, "prompt": document(100, f"{salt}-{i}"), "max_tokens": tokens, "ignore_eos": True,
+               "temperature": 0, "cache_salt": f"{salt}-{i}", "stream": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}} for i in range(batch)]
+    threads = [threading.Thread(target=stream_one, args=(client, b, o)) for b, o in zip(bodies, outs, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [o.get("error", "no tokens") for o in outs if "error" in o or len(o["times"]) < 2]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {batch} streams failed: {failed[0]}")
+    return br.ladder_figures([o["start"] for o in outs], [o["times"] for o in outs])
+
+
+def new_trace(trace_dir: Path, before: set[Path], timeout_s: float = 600.0) -> Path:
+    """The worker's trace written after /stop_profile (the one with GPU kernels), once its size settles."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        fresh = sorted(set(trace_dir.rglob("*.json*")) - before, key=lambda p: p.stat().st_mtime)
+        for path in fresh:
+            size = path.stat().st_size
+            time.sleep(2.0)
+            if path.stat().st_size == size and size > 0:
+                try:
+                    trace = sp.read_trace(path)
+                except (OSError, ValueError, EOFError):
+                    continue
+                if any(e.get("cat") == "kernel" for e in trace.get("traceEvents", [])):
+                    return path
+        time.sleep(2.0)
+    raise RuntimeError(f"no trace with GPU kernels appeared in {trace_dir} within {timeout_s:.0f} s "
+                       "(is the server started with --profiler-config and this torch_profiler_dir?)")
+
+
+def model_bytes(model_dir: Path) -> tuple[dict[str, int], dict]:
+    tensors = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(sp.read_safetensors_header(shard))
+    if not tensors:
+        raise RuntimeError(f"no *.safetensors in {model_dir}")
+    config = json.loads((model_dir / "config.json").read_text())
+    return sp.weight_bytes(tensors), config.get("text_config", config)
+
+
+def plot(results: dict, path: Path) -> None:
+    plt = br._matplotlib()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 5))
+    names = list(results)
+    bottom = [0.0] * len(names)
+    for part in (*sp.CATEGORIES, *sp.GAPS):
+        vals = [results[n]["breakdown_ms"][part] for n in names]
+        ax.bar(names, vals, bottom=bottom, label=part, hatch="//" if part in sp.GAPS else None)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.plot(names, [results[n]["measured_ms_per_token"] for n in names], "k_", markersize=40, mew=2,
+            label="measured ms/token (no profiler)")
+    ax.set_ylabel("ms per decode step")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    br.save_figure(fig, path)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:18020")
+    p.add_argument("--api-key")
+    p.add_argument("--trace-dir", type=Path, required=True, help="the server's torch_profiler_dir")
+    p.add_argument("--model-dir", type=Path, required=True, help="the served checkpoint (safetensors + config)")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--tokens", type=int, default=48, help="answer length of the profiled requests")
+    p.add_argument("--bandwidth-gbps", type=float, help="device copy bandwidth (default: measured here)")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    if not args.trace_dir.is_dir():
+        p.error(f"--trace-dir {args.trace_dir}: not a folder")
+    batches = [int(b) for b in args.batches.split(",")]
+    weights, text_config = model_bytes(args.model_dir)
+    gbps = args.bandwidth_gbps or device_copy_gbps()
+    client = Client(args.url, args.api_key)
+    model = client.model()
+    results = {}
+    for batch in batches:
+        salt = f"steps-{time.time_ns()}-{batch}"
+        print(f"C{batch}: measuring without the profiler ...", flush=True)
+        run_streams(client, model, batch, 8, salt + "-warm")
+        measured = run_streams(client, model, batch, 4 * args.tokens, salt + "-measure")
+        before = set(args.trace_dir.rglob("*.json*"))
+        client.post("/start_profile", {}).close()
+        run_streams(client, model, batch, args.tokens, salt + "-profile")
+        client.post("/stop_profile", {}).close()
+        trace_path = new_trace(args.trace_dir, before)
+        breakdown = sp.profile_steps(sp.read_trace(trace_path), batch, skip=4)
+        ms_per_token = 1000.0 / measured["per_stream_decode_tok_s"]
+        ctx = 130 + args.tokens // 2  # ~100 words of prompt plus half the answer, on average
+        state = sp.state_bytes(text_config, batch, ctx)
+        moved = {"marlin_gemm": weights["marlin_gemm"], "lm_head": weights["lm_head"], "gdn": state["gdn"],
+                 "attention": state["attention"]}
+        results[f"C{batch}"] = {
+            "batch": batch, "trace": str(trace_path), "breakdown_ms": breakdown,
+            "measured_ms_per_token": ms_per_token,
+            "profiled_period_over_measured": breakdown["period"] / ms_per_token,
+            "kernel_share_of_period": breakdown["busy"] / breakdown["period"],
+            "bytes": moved, "bandwidth": sp.bandwidth_table(breakdown, moved, gbps) if gbps else None,
+        }
+        print(f"C{batch}: period {breakdown['period']:.2f} ms (measured {ms_per_token:.2f} ms/token), kernels "
+              f"{breakdown['busy']:.2f} ms, launch gaps {breakdown['gap_launch']:.2f}, host gaps "
+              f"{breakdown['gap_host']:.2f}; Marlin {breakdown['marlin_gemm']:.2f}, lm_head {breakdown['lm_head']:.2f}, "
+              f"GDN {breakdown['gdn']:.2f}, attention {breakdown['attention']:.2f}", flush=True)
+    report = {"url": client.base, "model": model, "model_dir": str(args.model_dir), "device_copy_gbps": gbps,
+              "weight_bytes": weights, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": results,
+              "definitions": sp.__doc__}
+    br.write_json_atomic(args.out, report)
+    plot(results, args.out.with_suffix(".png"))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,213 @@
+"""Where a decode step's time goes: pure functions over a torch-profiler (Kineto/Chrome) trace of a
+vLLM 0.28.0 engine, used by bench/step_profile.py and tested on synthetic traces.
+
+Steps are the worker's `execute_context_<n>(<tokens>)_generation_<n>(<tokens>)` annotations
+(vllm/v1/worker/gpu_worker.py annotate_profile). A step runs from its annotation's start to the next
+step's start, so the period is what one token costs a stream at steady state. Within it:
+- kernel time per category (GPU kernels, by name; the lm_head is the step's last GEMM),
+- busy = the union of kernel intervals (streams can overlap),
+- launch gaps = GPU idle between the step's first and last kernel (the host could not keep up),
+- host gaps = GPU idle outside that span (scheduling, sampling sync, bookkeeping).
+Bytes per category come from the checkpoint's safetensors headers (weights) and the model config
+(recurrent state, KV cache), and are set against a measured device bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+CATEGORIES = ("marlin_gemm", "lm_head", "dense_gemm", "gdn", "attention", "norm_act", "sampling", "memory", "other")
+GAPS = ("gap_launch", "gap_host")
+
+_RULES = (  # first match wins; lower-case substrings of the kernel name
+    ("marlin_gemm", ("marlin", "machete")),
+    ("gdn", ("gated_delta", "gdn", "recurrent", "conv1d", "solve_tril", "l2norm", "chunk_", "delta_rule",
+             "recompute_w_u", "kkt")),
+    ("attention", ("flash", "fmha", "attn", "attention", "reshape_and_cache", "rotary", "rope", "paged")),
+    ("dense_gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
+    ("sampling", ("sampl", "topk", "top_k", "top_p", "argmax", "argsort", "multinomial", "exponential",
+                  "softmax", "penalt", "cumsum", "radix", "sort")),
+    ("norm_act", ("norm", "rsqrt", "silu", "gelu", "act_and_mul", "swiglu", "sigmoid", "softplus")),
+    ("memory", ("memcpy", "memset")),
+)
+_STEP = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
+GEMM_CATEGORIES = ("marlin_gemm", "dense_gemm")
+
+
+def categorize(kernel_name: str) -> str:
+    name = kernel_name.lower()
+    for category, needles in _RULES:
+        if any(n in name for n in needles):
+            return category
+    return "other"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    start_us: float
+    dur_us: float
+
+    @property
+    def end_us(self) -> float:
+        return self.start_us + self.dur_us
+
+
+@dataclass(frozen=True)
+class StepMark:
+    start_us: float
+    ctx_requests: int
+    ctx_tokens: int
+    gen_requests: int
+    gen_tokens: int
+
+
+def read_trace(path: Path) -> dict:
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def trace_events(trace: dict) -> tuple[list[Kernel], list[StepMark]]:
+    """GPU kernels and step annotations of a Chrome trace (GPU-side annotation copies preferred)."""
+    kernels, cpu_marks, gpu_marks = [], [], []
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") != "X":
+            continue
+        cat = ev.get("cat", "")
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels.append(Kernel(ev["name"], float(ev["ts"]), float(ev.get("dur", 0.0))))
+        elif cat in ("user_annotation", "gpu_user_annotation"):
+            m = _STEP.match(ev.get("name", ""))
+            if m:
+                mark = StepMark(float(ev["ts"]), *(int(g) for g in m.groups()))
+                (gpu_marks if cat == "gpu_user_annotation" else cpu_marks).append(mark)
+    kernels.sort(key=lambda k: k.start_us)
+    return kernels, sorted(gpu_marks or cpu_marks, key=lambda s: s.start_us)
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    return total + (cur_end - cur_start if cur_end is not None else 0.0)
+
+
+def step_breakdown(kernels: list[Kernel], start_us: float, end_us: float) -> dict[str, float]:
+    """Milliseconds per category, gaps, busy and period of one step [start_us, end_us)."""
+    mine = [k for k in kernels if start_us <= k.start_us < end_us]
+    cats = [categorize(k.name) for k in mine]
+    gemm_idx = [i for i, c in enumerate(cats) if c in GEMM_CATEGORIES]
+    if gemm_idx:
+        last = gemm_idx[-1]
+        cats[last] = "lm_head"
+        # what follows the logits GEMM and is not model work is the sampler (elementwise, reductions)
+        cats[last + 1:] = ["sampling" if c in ("other", "norm_act", "memory") else c for c in cats[last + 1:]]
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    for k, c in zip(mine, cats, strict=True):
+        out[c] += k.dur_us / 1000.0
+    clipped = [(k.start_us, min(k.end_us, end_us)) for k in mine]
+    busy = _union_us(clipped) / 1000.0
+    span = (max(e for _, e in clipped) - mine[0].start_us) / 1000.0 if mine else 0.0
+    out["gap_launch"] = span - busy
+    out["gap_host"] = (end_us - start_us) / 1000.0 - span
+    out["busy"] = busy
+    out["period"] = (end_us - start_us) / 1000.0
+    out["kernels"] = len(mine)
+    return out
+
+
+def decode_steps(marks: list[StepMark], batch: int) -> list[tuple[float, float]]:
+    """[start, next start) of every pure-decode step with `batch` requests decoding (no prefill in it),
+    whose next step is also such a step (so the period is a decode-to-decode period)."""
+    def is_decode(m: StepMark) -> bool:
+        return m.ctx_requests == 0 and m.gen_requests == batch
+
+    return [(a.start_us, b.start_us) for a, b in zip(marks, marks[1:], strict=False) if is_decode(a) and is_decode(b)]
+
+
+def profile_steps(trace: dict, batch: int, skip: int = 2) -> dict:
+    """Mean breakdown over the decode steps at `batch`, dropping the first `skip` (warm-up)."""
+    kernels, marks = trace_events(trace)
+    windows = decode_steps(marks, batch)[skip:]
+    if not windows:
+        found = sorted({(m.ctx_requests, m.gen_requests) for m in marks})
+        raise ValueError(f"no decode steps with {batch} requests in the trace (context/generation request "
+                         f"counts seen: {found[:12]})")
+    per_step = [step_breakdown(kernels, a, b) for a, b in windows]
+    mean = {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
+    mean["steps"] = len(per_step)
+    return mean
+
+
+# ---- bytes moved ---------------------------------------------------------------------------------
+
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "F8_E4M3": 1,
+                "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def read_safetensors_header(path: Path) -> dict[str, tuple[str, list[int]]]:
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return {k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def weight_bytes(tensors: dict[str, tuple[str, list[int]]]) -> dict[str, int]:
+    """Bytes a decode step reads per weight category: every quantized linear (Marlin), the lm_head, the
+    other dense tensors of the body. The embedding (a row gather) and the MTP module (drafting only)
+    are counted apart and not read by a plain decode step."""
+    out = {"marlin_gemm": 0, "lm_head": 0, "dense": 0, "embed": 0, "mtp": 0}
+    for name, (dtype, shape) in tensors.items():
+        n = _DTYPE_BYTES[dtype]
+        for dim in shape:
+            n *= dim
+        if name.startswith("mtp.") or ".mtp." in name:
+            out["mtp"] += n
+        elif "embed_tokens" in name:
+            out["embed"] += n
+        elif "lm_head" in name:
+            out["lm_head"] += n
+        elif re.search(r"\.weight_(packed|scale|zero_point|g_idx|shape)$", name):
+            out["marlin_gemm"] += n
+        else:
+            out["dense"] += n
+    return out
+
+
+def state_bytes(text_config: dict, batch: int, ctx_tokens: int, state_dtype_bytes: int = 2,
+                kv_dtype_bytes: int = 2) -> dict[str, int]:
+    """Per decode step: GDN recurrent state read and written once per GDN layer and request; attention
+    reads every cached K and V of each full-attention layer (ctx_tokens per request)."""
+    types = text_config["layer_types"]
+    gdn_layers = sum(t == "linear_attention" for t in types)
+    attn_layers = sum(t == "full_attention" for t in types)
+    state = (text_config["linear_num_value_heads"] * text_config["linear_key_head_dim"]
+             * text_config["linear_value_head_dim"] * state_dtype_bytes)
+    kv = 2 * text_config["num_key_value_heads"] * text_config["head_dim"] * kv_dtype_bytes
+    return {"gdn": 2 * gdn_layers * batch * state, "attention": attn_layers * batch * ctx_tokens * kv}
+
+
+def bandwidth_table(breakdown_ms: dict[str, float], bytes_by_category: dict[str, int],
+                    device_gbps: float) -> dict[str, dict[str, float]]:
+    """For each category with known bytes: GB moved, achieved GB/s, and the time those bytes take at
+    the measured device bandwidth (the roofline) against the time measured."""
+    table = {}
+    for cat, nbytes in bytes_by_category.items():
+        ms = breakdown_ms.get(cat, 0.0)
+        roofline_ms = nbytes / (device_gbps * 1e9) * 1000.0
+        table[cat] = {"gb": nbytes / 1e9, "ms": ms, "roofline_ms": roofline_ms,
+                      "achieved_gbps": nbytes / 1e9 / (ms / 1000.0) if ms > 0 else 0.0,
+                      "fraction_of_device": roofline_ms / ms if ms > 0 else 0.0}
+    return table

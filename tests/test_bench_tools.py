@@ -1,0 +1,102 @@
+"""bench/conc_ladder.py, bench/api_smoke.py, bench/step_profile.py and bench/gpu/run_full.sh without a GPU:
+token counting from a streamed answer, and clear errors on bad arguments or no server."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+sys.path.insert(0, str(BENCH))
+
+import conc_ladder  # noqa: E402
+
+
+class _Sse(http.server.ThreadingHTTPServer):
+    """Streams a completion whose chunks carry 1, 3, 0 (usage-only) and 2 new tokens."""
+
+    def __init__(self):
+        cumulative = [1, 4, 4, 6]
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for n in cumulative:
+                    chunk = {"choices": [{"index": 0, "text": "x"}], "usage": {"completion_tokens": n}}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
+def test_stream_counts_every_token_of_a_bundled_chunk():
+    server = _Sse()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        out: dict = {}
+        conc_ladder.stream_one(conc_ladder.Client(f"http://127.0.0.1:{server.server_port}", None), {}, out)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "error" not in out
+    assert len(out["times"]) == 6  # a speculative step's 3 tokens arrive in one chunk and count as 3
+    assert out["times"] == sorted(out["times"]) and out["times"][0] >= out["start"]
+
+
+def test_documents_are_seeded_and_distinct():
+    a, b = conc_ladder.document(200, "s1"), conc_ladder.document(200, "s2")
+    assert a == conc_ladder.document(200, "s1") and a != b
+    assert 200 <= len(a.split()) < 220
+
+
+def run(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_api_smoke_without_server_fails_every_check():
+    sys.path.insert(0, str(BENCH))
+    import api_smoke
+
+    res = run(sys.executable, str(BENCH / "api_smoke.py"), "--url", "http://127.0.0.1:9")
+    assert res.returncode == len(api_smoke.CHECKS) == 12
+    assert res.stdout.startswith("FAIL server: no usable server at http://127.0.0.1:9")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--n", "1,x"], "comma-separated positive integers"),
+    (["--n", "0"], "comma-separated positive integers"),
+    (["--max-tokens", "1"], "--max-tokens >= 2"),
+])
+def test_conc_ladder_bad_arguments(args, message):
+    res = run(sys.executable, str(BENCH / "conc_ladder.py"), *args)
+    assert res.returncode == 2 and message in res.stderr
+
+
+def test_conc_ladder_without_server():
+    res = run(sys.executable, str(BENCH / "conc_ladder.py"), "--url", "http://127.0.0.1:9", "--n", "1")
+    assert res.returncode == 3 and "no usable server" in res.stderr
+
+
+def test_step_profile_needs_the_trace_folder(tmp_path):
+    res = run(sys.executable, str(BENCH / "step_profile.py"), "--trace-dir", str(tmp_path / "missing"),
+              "--model-dir", str(tmp_path), "--out", str(tmp_path / "o.json"))
+    assert res.returncode == 2 and "not a folder" in res.stderr
+
+
+def test_run_full_rejects_unknown_configs(tmp_path):
+    res = run("bash", str(BENCH / "gpu" / "run_full.sh"), str(tmp_path / "out"), "stock", "turbo")
+    assert res.returncode == 2 and "unknown config 'turbo'" in res.stderr
+    assert not (tmp_path / "out" / "h200-full-stock.json").exists()

@@ -359,6 +359,14 @@ def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require
                      f"- {_gib(weights)} weights - {_gib(memory.CUDAGRAPH_BYTES)} graphs - "
                      f"{_gib(memory.ACTIVATION_PEAK_BYTES)} activation peak - {_gib(memory.AUTO_MARGIN_BYTES)} margin")
     max_len = s["MAX_LEN"]
+    len_explicit = "MAX_LEN" in explicit or (spec == "dflash2" and "DFLASH_MAX_LEN" in explicit)
+    if cache and s["KV_MEM"] == "auto" and not len_explicit and not cache.fits(kv_mem, max_len):
+        fitted = cache.longest_context(kv_mem)
+        if fitted >= 4096:
+            notes.append(f"MAX_LEN={fitted} (from {max_len}) because that is the longest context the "
+                         f"KV_MEM=auto pool holds; free VRAM or set MAX_LEN and KV_MEM by hand")
+            max_len = fitted
+            derived.append(Derived("max-model-len", fitted, "KV_MEM=auto: the longest context the pool holds"))
     if cache and kv_mem is not None and not cache.fits(kv_mem, max_len):
         _refuse(f"MAX_LEN={max_len} does not fit one request in a {kv_mem / memory.GiB:.2f} GiB pool "
                 f"(longest that fits: {cache.longest_context(kv_mem)}); lower MAX_LEN or raise KV_MEM")

@@ -1,0 +1,332 @@
+"""The serve plan: every spec example's argv through vLLM 0.28.0's real `vllm serve` parser and
+EngineArgs, one test per refusal rule, the API key kept out of the argv, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qwen_serving import knobs, plan
+from qwen_serving.plan import PlanError, Probe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_facts() -> Probe:
+    return Probe.detect(REPO)
+
+
+@pytest.fixture
+def probe(tmp_path, vllm_facts) -> Probe:
+    """This machine's vLLM facts, a repo with the drafter present, and KVarN installed."""
+    drafter = tmp_path / knobs.DFLASH2_DRAFTER
+    drafter.mkdir(parents=True)
+    (drafter / "config.json").write_text("{}")
+    return Probe(repo=tmp_path, vllm_dir=vllm_facts.vllm_dir, kv_dtypes=vllm_facts.kv_dtypes | {"kvarn"},
+                 vllm_env=vllm_facts.vllm_env, tool_parsers=vllm_facts.tool_parsers)
+
+
+@pytest.fixture(scope="module")
+def serve_parser():
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    root = FlexibleArgumentParser(prog="vllm")
+    ServeSubcommand().subparser_init(root.add_subparsers(dest="subparser"))
+    return root
+
+
+def parse(serve_parser, argv: tuple[str, ...], kv_dtypes: frozenset[str]):
+    """Parse argv (starting `vllm serve`) like `vllm serve` does, then build EngineArgs."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+
+    assert argv[:2] == ("vllm", "serve")
+    args = list(argv[1:])
+    if "kvarn" not in kv_dtypes and "kvarn" in args:
+        # KVarN is not in the series yet; its dtype is the one word this vLLM cannot know.
+        args[args.index("kvarn")] = "int4_per_token_head"
+    ns = serve_parser.parse_args(args)
+    ServeSubcommand().validate(ns)
+    return ns, EngineArgs.from_cli_args(ns)
+
+
+EXAMPLES = [
+    ("batch", {}),
+    ("batch", {"PREFIX_CACHE": "0"}),
+    ("batch", {"KV": "int4pth"}),
+    ("batch", {"KV": "kvarn"}),
+    ("batch", {"INT8_LAYERS": "."}),
+    ("batch", {"INT8_ACT": "off"}),
+    ("batch", {"REQ_METRICS": "1", "API_SERVERS": "2", "HOST": "0.0.0.0", "VLLM_API_KEY": "k"}),
+    ("batch", {"GDN_PREFILL": "triton", "EXTRA_ARGS": "--tensor-parallel-size 2"}),
+    *[("single", {"CTX": ctx, "SPEC": spec}) for ctx in ("fast", "long", "huge") for spec in ("mtp", "dflash2", "off")],
+    ("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15"}),
+    ("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15", "CTX": "long"}),
+    ("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15", "CTX": "huge", "PREFIX_CACHE": "1"}),
+    ("single", {"SPEC": "dflash2", "PREFIX_CACHE": "0"}),
+    ("single", {"PREFIX_CACHE": "0"}),
+    ("single", {"SPEC": "dflash2", "INT8_ACT": "int8"}),
+    ("single", {"SPEC": "dflash2", "INT8_ACT": "int8", "INT8_LAYERS": "mlp", "PREFILL_ATTN": "int8"}),
+    ("single", {"VISION": "1", "REQ_METRICS": "1"}),
+    ("single", {"CTX": "huge", "CUDAGRAPH_MODE": "FULL_AND_PIECEWISE", "DRAFT_SAMPLE": "greedy", "TOOLS": "0"}),
+    ("single", {"SPEC": "dflash2", "KV_MEM": "5.2GiB", "LOOKUP": "0"}),
+]
+
+
+@pytest.mark.parametrize(("mode", "env"), EXAMPLES, ids=[f"{m}-{'-'.join(f'{k}={v}' for k, v in e.items()) or 'default'}"
+                                                          for m, e in EXAMPLES])
+def test_spec_examples_parse_through_vllm_serve(mode, env, probe, serve_parser):
+    p = plan.build(mode, env, probe)
+    ns, ea = parse(serve_parser, p.argv, probe.kv_dtypes - {"kvarn"})
+    s = {k: v.value for k, v in p.settings.items()}
+    assert ea.max_num_seqs == s["MAX_SEQS"] and ea.max_model_len == s["MAX_LEN"]
+    assert ea.host == s["HOST"] if hasattr(ea, "host") else ns.host == s["HOST"]
+    assert ns.port == s["PORT"]
+    assert ea.enable_prefix_caching is bool(s["PREFIX_CACHE"])
+    assert ea.mamba_cache_mode == ("align" if s["PREFIX_CACHE"] else "none")
+    assert ea.mamba_ssm_cache_dtype == "float16"
+    assert ea.language_model_only is (not s["VISION"])
+    assert ns.api_key is None  # the key never travels in the argv
+    spec = s.get("SPEC", "off")
+    if spec == "off":
+        assert ea.speculative_config is None
+    else:
+        method = {"mtp": "mtp", "dflash2": "dflash"}[spec]
+        k = s["DRAFT_TOKENS"] if spec == "mtp" else s["DFLASH_TOKENS"]
+        assert ea.speculative_config["method"] == method and ea.speculative_config["num_speculative_tokens"] == k
+    assert ea.async_scheduling is bool(s["ASYNC_SCHED"])
+    if p.kv_mem is not None:
+        assert ea.kv_cache_memory_bytes == p.kv_mem
+    else:
+        assert ea.gpu_memory_utilization == s["GPU_UTIL"]
+    if "EXTRA_ARGS" in env:
+        assert ea.tensor_parallel_size == 2
+
+
+def test_prefix_cache_0_turns_off_what_0_28_turns_on(probe, serve_parser):
+    """vLLM 0.28.0 enables prefix caching for hybrids by default: PREFIX_CACHE=0 must say no."""
+    argv = plan.build("single", {"PREFIX_CACHE": "0"}, probe).argv
+    assert "--no-enable-prefix-caching" in argv
+    bare = [a for a in argv if a != "--no-enable-prefix-caching"]
+    _, ea = parse(serve_parser, tuple(bare), probe.kv_dtypes)
+    assert ea.enable_prefix_caching is None  # left to vLLM, which then turns it on for this model
+
+
+def test_defaults_by_mode(probe):
+    batch = plan.build("batch", {}, probe)
+    assert batch.env == {"VLLM_MARLIN_INPUT_DTYPE": "int8", "VLLM_MARLIN_INT8_INCLUDE_RE": "mlp"}
+    assert ("--kv-cache-dtype", "fp8") == batch.argv[batch.argv.index("--kv-cache-dtype"):][:2]
+    single = plan.build("single", {}, probe)
+    assert single.value("SPEC") == "mtp" and single.value("HOST") == "127.0.0.1"
+    assert single.env["VLLM_SPEC_DECODE_ATTN"] == "1" and "VLLM_MARLIN_INPUT_DTYPE" not in single.env
+    long = plan.build("single", {"CTX": "long"}, probe)
+    assert long.value("DRAFT_TOKENS") == 3 and "FLASHINFER" in long.argv and "VLLM_SPEC_DECODE_ATTN" not in long.env
+    huge = plan.build("single", {"CTX": "huge"}, probe)
+    assert json.loads(huge.argv[huge.argv.index("--compilation-config") + 1]) == {"cudagraph_mode": "PIECEWISE"}
+    assert huge.value("MAX_SEQS") == 2
+    d = plan.build("single", {"SPEC": "dflash2"}, probe)
+    assert d.kv_mem == knobs.KV_MEM_PINNED and "--no-async-scheduling" in d.argv
+    assert d.env["VLLM_DFLASH2_LOOKUP"] == "1" and d.env["VLLM_DFLASH2_LOOKUP_STICKY"] == "3"
+
+
+def test_every_automatic_adjustment_is_printed(probe):
+    p = plan.build("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15"}, probe)
+    text = "\n".join(p.notes)
+    for adjusted in ("MAX_SEQS=4", "DFLASH_MAX_LEN=55296", "MAX_LEN=55296", "ASYNC_SCHED=0", "KV_MEM=5583457484"):
+        assert adjusted in text
+    b = plan.build("batch", {"INT8_LAYERS": "."}, probe)
+    assert any("GPU_UTIL=0.95 because INT8_LAYERS=." in n for n in b.notes)
+
+
+# ---- refusals: one per rule, each naming what to set instead ----
+def refused(mode, env, probe, needle, **kw):
+    with pytest.raises(PlanError) as e:
+        plan.build(mode, env, probe, **kw)
+    assert needle in str(e.value), str(e.value)
+    return str(e.value)
+
+
+def test_refuse_long_dflash_block_with_many_seats(probe):
+    refused("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15", "MAX_SEQS": "8"}, probe, "set MAX_SEQS=4")
+    assert plan.build("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15", "MAX_SEQS": "4"}, probe)
+
+
+def test_refuse_dflash2_without_drafter(tmp_path, vllm_facts):
+    bare = Probe(repo=tmp_path, kv_dtypes=vllm_facts.kv_dtypes)
+    refused("single", {"SPEC": "dflash2"}, bare, "prepare/fetch_dflash2.py", require_files=True)
+    refused("single", {"SPEC": "dflash2", "DRAFT": str(tmp_path / "nope")}, bare, "DRAFT=", require_files=True)
+    dry = plan.build("single", {"SPEC": "dflash2"}, bare)  # a dry run says what first start fetches
+    assert any(step.command.endswith("prepare/fetch_dflash2.py") for step in dry.missing)
+
+
+def test_refuse_huge_without_long_context_kv(probe, vllm_facts):
+    stock = Probe(repo=probe.repo, kv_dtypes=vllm_facts.kv_dtypes - {"kvarn"})
+    refused("single", {"CTX": "huge"}, stock, "bash kvarn/install.sh")
+    refused("batch", {"KV": "kvarn"}, stock, "KV=int4pth")
+
+
+def test_refuse_open_host_without_key(probe):
+    msg = refused("single", {"HOST": "0.0.0.0"}, probe, "set VLLM_API_KEY")
+    assert "HOST=127.0.0.1" in msg
+    refused("batch", {"HOST": "192.168.1.20"}, probe, "api_key.txt")
+    assert plan.build("single", {"HOST": "::1"}, probe).value("HOST") == "::1"
+    assert plan.build("single", {"HOST": "0.0.0.0", "VLLM_API_KEY": "s3cret"}, probe)
+
+
+def test_refuse_max_len_beyond_the_pool(probe):
+    msg = refused("single", {"SPEC": "dflash2", "MAX_LEN": "131072"}, probe, "longest that fits")
+    assert "lower MAX_LEN or raise KV_MEM" in msg
+    refused("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15", "DFLASH_MAX_LEN": "65536"}, probe, "does not fit")
+    assert plan.build("single", {"SPEC": "dflash2", "MAX_LEN": "131072", "KV_MEM": "10GiB"}, probe)
+
+
+@pytest.mark.parametrize(("env", "needle"), [
+    ({"PORT": "http"}, "not an integer"),
+    ({"PORT": "70000"}, "outside 1..65535"),
+    ({"GPU_UTIL": "1.5"}, "not a fraction"),
+    ({"GPU_UTIL": "most"}, "not a number"),
+    ({"MAX_SEQS": "0"}, "outside 1.."),
+    ({"CTX": "medium"}, "not one of fast, long, huge"),
+    ({"SPEC": "eagle"}, "not one of mtp, dflash2, off"),
+    ({"INT8_LAYERS": "mlp|("}, "not a regular expression"),
+    ({"KV_MEM": "lots"}, "not a size"),
+    ({"KV_MEM": "12M"}, "below 256 MiB"),
+    ({"PREFIX_CACHE": "yes"}, "not 0 or 1"),
+    ({"EXTRA_ARGS": "--served-model-name 'x"}, "cannot split"),
+    ({"HOST": "a b"}, "not a host"),
+    ({"DFLASH_TOKENS": "6"}, "outside 7..31"),
+    ({"TOOL_PARSER": "qwen3_codr"}, "qwen3_coder"),
+])
+def test_refuse_malformed_values(env, needle, probe):
+    msg = refused("single", env, probe, needle)
+    knob = next(iter(env))
+    assert knob in msg  # names the knob
+
+
+def test_refuse_known_bad_combinations(probe):
+    refused("single", {"INT8_ACT": "int8", "INT8_LAYERS": "mlp|linear_attn"}, probe, "INT8_LAYERS=mlp")
+    refused("single", {"SPEC": "dflash2", "ASYNC_SCHED": "1"}, probe, "unset ASYNC_SCHED")
+    refused("single", {"CTX": "long", "DRAFT_TOKENS": "4"}, probe, "DRAFT_TOKENS=3")
+    refused("single", {"REQ_METRICS": "1", "EXTRA_ARGS": "--disable-log-stats"}, probe, "drop one")
+    refused("single", {"EXTRA_ARGS": "--api-key abc"}, probe, "VLLM_API_KEY")
+    refused("single", {"SPEC": "dflash2", "VLLM_DFLASH2_LOOKUP_NMIN": "13"}, probe, "NMAX")
+
+
+def test_misspelt_knobs_are_named(probe):
+    p = plan.build("single", {"SPEC": "dflash2", "VLLM_WSL_PIN_MEMORY": "1", "MAX_SEQ": "4", "DRAFT_TOKEN": "3",
+                              "KV_MEMORY": "5G", "HOME": "/root", "PATH": "/bin", "VLLM_USE_FLASHINFER_SAMPLER": "0"},
+                   probe)
+    text = "\n".join(p.warnings)
+    assert "VLLM_WSL_PIN_MEMORY is set but is not a knob or a vLLM variable; did you mean " \
+           "VLLM_WSL2_ENABLE_PIN_MEMORY?" in text
+    assert "did you mean MAX_SEQS?" in text and "did you mean DRAFT_TOKENS?" in text and "KV_MEM?" in text
+    assert "HOME" not in text and "PATH" not in text and "FLASHINFER" not in text
+    b = plan.build("batch", {"SPEC": "dflash2"}, probe)
+    assert any("SPEC is a single knob; batch mode ignores it" in w for w in b.warnings)
+
+
+def test_wsl2_gets_pinned_memory_for_dflash2(probe):
+    from dataclasses import replace
+
+    p = plan.build("single", {"SPEC": "dflash2"}, replace(probe, wsl2=True))
+    assert p.env["VLLM_WSL2_ENABLE_PIN_MEMORY"] == "1" and any("WSL2" in n for n in p.notes)
+    assert "VLLM_WSL2_ENABLE_PIN_MEMORY" not in plan.build("single", {"SPEC": "mtp"}, replace(probe, wsl2=True)).env
+
+
+# ---- the API key ----
+def test_key_from_environment_never_printed(probe, capsys):
+    p = plan.build("single", {"HOST": "0.0.0.0", "VLLM_API_KEY": "s3cret-key"}, probe)
+    assert "s3cret-key" not in " ".join(p.argv) and "s3cret-key" not in "\n".join(p.export_lines())
+    assert p.secret_env == {}  # vLLM reads VLLM_API_KEY from the environment it inherits
+
+
+def test_key_from_file_goes_through_the_environment(probe):
+    (probe.repo / "api_key.txt").write_text("file-key-123\n")
+    p = plan.build("batch", {"HOST": "0.0.0.0"}, probe)
+    assert p.secret_env == {"VLLM_API_KEY": "file-key-123"} and p.key_source == "api_key.txt"
+    printed = "\n".join([*p.export_lines(), p.command_line(), *p.notes, *p.warnings])
+    assert "file-key-123" not in printed
+    assert 'export VLLM_API_KEY="$(head -n1 api_key.txt)"' in printed
+
+
+def test_vllm_reads_the_key_from_the_environment():
+    """vLLM 0.28.0: no --api-key -> envs.VLLM_API_KEY guards the server (api_server.py)."""
+    from vllm.entrypoints.openai import api_server
+
+    source = Path(api_server.__file__).read_text()
+    assert "args.api_key or [envs.VLLM_API_KEY]" in source
+
+
+# ---- memory facts in explain ----
+def test_explain_reports_pool_and_seats(probe):
+    p = plan.build("single", {"SPEC": "dflash2", "PREFIX_CACHE": "0"}, probe)
+    lines = plan.explain_lines(p, probe)
+    text = "\n".join(lines)
+    assert "68,416 tokens at 65,536 max-model-len" in text
+    assert "resident at 16,384-token prompts = 2 of MAX_SEQS=8" in text.replace("  ", " ").replace("  ", " ") \
+        or "2 of MAX_SEQS=8 (the pool holds 2" in text
+    assert "free VRAM" in text
+
+
+def test_kv_mem_auto_uses_free_vram(probe):
+    from dataclasses import replace
+
+    refused("single", {"SPEC": "dflash2", "KV_MEM": "auto"}, probe, "KV_MEM=auto needs the free VRAM")
+    card = replace(probe, free_vram=int(23.6 * (1 << 30)), total_vram=24 << 30, vram_source="test")
+    p = plan.build("single", {"SPEC": "dflash2", "KV_MEM": "auto"}, card)
+    assert 4.4 * (1 << 30) < p.kv_mem < 5.6 * (1 << 30)  # base checkpoint: int8 lm_head, 0.6 GiB more weights
+    assert any(n.startswith("KV_MEM=auto ->") and "margin" in n for n in p.notes)
+    # the base checkpoint (no fast variant) leaves less: the context shrinks to fit, and says so
+    assert p.value("MAX_LEN") == 65536 and p.argv[p.argv.index("--max-model-len") + 1] != "65536"
+    assert any(n.startswith("MAX_LEN=") and "KV_MEM=auto pool" in n for n in p.notes)
+    refused("single", {"SPEC": "dflash2", "KV_MEM": "auto", "MAX_LEN": "65536"}, card, "longest that fits")
+
+
+# ---- CLI ----
+def run_cli(*args, env=None, cwd=REPO):
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "qwen_serving.plan", *args], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=60)
+
+
+def test_dry_run_prints_exports_then_one_vllm_line():
+    r = run_cli("single", "--dry-run", env={"SPEC": "dflash2", "DFLASH_TOKENS": "15"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert all(line.startswith("export ") for line in lines[:-1]) and lines[:-1]
+    argv = shlex.split(lines[-1])
+    assert argv[:2] == ["vllm", "serve"] and "--kv-cache-memory-bytes" in argv
+    assert "note: MAX_SEQS=4 because SPEC=dflash2, DFLASH_TOKENS>7" in r.stderr
+
+
+def test_dry_run_does_not_import_vllm():
+    code = ("import sys, io, contextlib; from qwen_serving import plan\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "    rc = plan.main(['single', '--dry-run'], env={})\n"
+            "assert rc == 0 and 'vllm' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                       env={"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO)}, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_refusal_exits_2_and_names_the_fix():
+    r = run_cli("batch", "--dry-run", env={"HOST": "0.0.0.0"})
+    assert r.returncode == 2 and "refusing to start" in r.stderr and "VLLM_API_KEY" in r.stderr and not r.stdout
+
+
+def test_missing_lists_first_start_commands(tmp_path):
+    r = run_cli("single", "--missing", env={"SPEC": "dflash2"})
+    assert r.returncode == 0
+    commands = r.stdout.splitlines()
+    if not (REPO / knobs.BASE_MODEL / "config.json").exists():
+        assert "venv/bin/python prepare/download.py" in commands
+    if not (REPO / knobs.DFLASH2_DRAFTER / "config.json").exists():
+        assert commands[-1] == "venv/bin/python prepare/fetch_dflash2.py"

@@ -475,6 +475,13 @@ def _progress(total: int, label: str):
     return tqdm(total=total, unit="B", unit_scale=True, desc=label, file=sys.stderr, mininterval=1.0)
 
 
+def write_config_files(out_dir: Path, size: str, num_layers: int) -> None:
+    """Everything but the weights: config, generation_config, tokenizer files."""
+    ids = write_tokenizer(out_dir)
+    _write_json(out_dir / "config.json", model_config(SIZES[size], num_layers, ids))
+    _write_json(out_dir / "generation_config.json", generation_config(ids))
+
+
 def write_checkpoint(out: Path, size: str, num_layers: int, seed: int, device: torch.device) -> Path:
     """Write the checkpoint into a temp dir beside `out`, then rename it to `out` (must not exist)."""
     from safetensors.torch import save_file
@@ -495,9 +502,7 @@ def write_checkpoint(out: Path, size: str, num_layers: int, seed: int, device: t
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        ids = write_tokenizer(tmp)
-        _write_json(tmp / "config.json", model_config(d, num_layers, ids))
-        _write_json(tmp / "generation_config.json", generation_config(ids))
+        write_config_files(tmp, size, num_layers)
         weight_map: dict[str, str] = {}
         with _progress(total, f"synth {size} ({num_layers} layers, {device.type})") as bar:
             for index, shard in enumerate(shards):

@@ -226,6 +226,9 @@ BATCH = ("batch",)
 KNOBS: tuple[Knob, ...] = (
     Knob("HOST", _host, _rules(Rule("127.0.0.1")),
          "bind address; anything but loopback is refused without an API key (VLLM_API_KEY or api_key.txt)"),
+    Knob("PUBLISHED_ON", _text, _rules(Rule(Ref("HOST"))),
+         "where the port is reachable from, if not HOST: docker-compose.yml binds 0.0.0.0 inside the container "
+         "and sets this to the host address it publishes on; the API-key rule applies to it"),
     Knob("PORT", _int(1, 65535), _rules(Rule(18020)), "HTTP port of the OpenAI-compatible API"),
     Knob("SPEC", _choice("mtp", "dflash2", "off"), _rules(Rule("mtp")),
          "speculative decoding: MTP head (k chained drafts), DFlash2 block drafter (7 drafts in one pass, "

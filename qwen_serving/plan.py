@@ -277,10 +277,13 @@ def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require
 
     # ---- refusals that do not need the pool ----
     key, key_source = _api_key(env, probe.repo)
-    host = s["HOST"]
-    if not knobs.is_loopback(host) and not key:
-        _refuse(f"HOST={host} would serve the model to the network without authentication; set VLLM_API_KEY "
-                f"(or write a key to {API_KEY_FILE}: openssl rand -hex 24 > {API_KEY_FILE}), or HOST=127.0.0.1")
+    host, exposed = s["HOST"], s["PUBLISHED_ON"]
+    if not knobs.is_loopback(exposed) and not key:
+        where = "PUBLISHED_ON" if "PUBLISHED_ON" in explicit else "HOST"
+        _refuse(f"{where}={exposed} would serve the model to the network without authentication; set VLLM_API_KEY "
+                f"(or write a key to {API_KEY_FILE}: openssl rand -hex 24 > {API_KEY_FILE}), or {where}=127.0.0.1")
+    if exposed != host:
+        notes.append(f"HOST={host} inside, reachable from {exposed} (PUBLISHED_ON): the API-key rule uses {exposed}")
     extra = shlex.split(s["EXTRA_ARGS"])
     if any(a == "--api-key" or a.startswith("--api-key=") for a in extra):
         _refuse("EXTRA_ARGS carries --api-key, which every user of this machine can read in the process list; "
@@ -558,8 +561,13 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
         return 0
     print(f"qwen-serving: {plan.command_line()}", file=sys.stderr)
     run_env = {**env, **plan.env, **plan.secret_env}
-    beside = Path(sys.executable).parent / "vllm"  # the venv's entry point, whatever PATH says
-    os.execvpe(str(beside) if beside.exists() else plan.argv[0], list(plan.argv), run_env)
+    # the repo venv's entry point whatever PATH says, then the one beside this python, then PATH
+    found = [p for p in (probe.repo / "venv" / "bin" / "vllm", Path(sys.executable).parent / "vllm") if p.exists()]
+    executable = str(found[0]) if found else shutil.which(plan.argv[0], path=run_env.get("PATH"))
+    if not executable:
+        print("qwen-serving: no vllm executable; run bash install.sh", file=sys.stderr)
+        return 2
+    os.execve(executable, list(plan.argv), run_env)
     return 1  # not reached
 
 

@@ -179,6 +179,10 @@ def test_refuse_open_host_without_key(probe):
     refused("batch", {"HOST": "192.168.1.20"}, probe, "api_key.txt")
     assert plan.build("single", {"HOST": "::1"}, probe).value("HOST") == "::1"
     assert plan.build("single", {"HOST": "0.0.0.0", "VLLM_API_KEY": "s3cret"}, probe)
+    # in a container: 0.0.0.0 inside, published on the host's loopback (docker-compose.yml)
+    inside = plan.build("single", {"HOST": "0.0.0.0", "PUBLISHED_ON": "127.0.0.1"}, probe)
+    assert inside.value("HOST") == "0.0.0.0" and any("PUBLISHED_ON" in n for n in inside.notes)
+    refused("single", {"HOST": "0.0.0.0", "PUBLISHED_ON": "0.0.0.0"}, probe, "PUBLISHED_ON=127.0.0.1")
 
 
 def test_refuse_max_len_beyond_the_pool(probe):

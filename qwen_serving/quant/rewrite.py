@@ -190,8 +190,8 @@ def check_disk(model: ModelDir, shards: dict[str, list[OutTensor]]) -> int:
     return need
 
 
-def apply_change(model: ModelDir, change: Change) -> dict:
-    """Stage and commit `change`; returns the manifest record of the step."""
+def apply_change(model: ModelDir, change: Change, target: Path | None = None) -> dict:
+    """Stage and commit `change` (in place, or as the new directory `target`); returns the step record."""
     shards, weight_map = layout(model, change)
     check_disk(model, shards)
     affected = sorted({model.weight_map[t] for t in change.remove})
@@ -200,7 +200,7 @@ def apply_change(model: ModelDir, change: Change) -> dict:
     old_bytes = sum(model.info(t).nbytes for t in change.remove)
     new_bytes = sum(t.nbytes for t in change.add)
 
-    staging = transaction.staging_path(model.path)
+    staging = transaction.staging_path(target or model.path)
     replaced = set(affected) | {INDEX_NAME, CONFIG_NAME, MANIFEST_NAME} | set(change.extra_files)
     transaction.stage_tree(model.path, staging, replaced)
     try:
@@ -234,7 +234,10 @@ def apply_change(model: ModelDir, change: Change) -> dict:
         transaction.remove_tree(staging)
         raise
     say(f"{change.step}: committing")
-    transaction.commit(model.path, staging)
+    if target is None:
+        transaction.commit(model.path, staging)
+    else:
+        transaction.create(target, staging)
     return record
 
 

@@ -174,6 +174,25 @@ def _lm_head_rows(model: ModelDir) -> list[str]:
     return names
 
 
+def quant_problems(model: ModelDir) -> list[str]:
+    """Packed modules the quantization_config would not load at their own bit width."""
+    problems = []
+    qc = model.quantization_config
+    for module in all_modules(model):
+        bits = packed_bits(model, module)
+        if bits is None:
+            continue
+        cols = int(model.shards[model.weight_map[f"{module}.weight_shape"]].array(f"{module}.weight_shape")[1])
+        groups = model.info(f"{module}.weight_scale").shape[1]
+        group = cols // groups if groups > 1 else None
+        for name in ct_config.engine_names(module):
+            args = ct_config.resolve(qc, name, ct_config.engine_class(module))
+            if not args or args.get("num_bits") != bits or (group and args.get("group_size") != group):
+                problems.append(f"{module} is int{bits} g{group} on disk but quantization_config gives {name} {args}")
+                break
+    return problems
+
+
 def run(model_path: str, step: str) -> int:
     builders = {"quant_lm_head": build_lm_head, "quant_embed": build_embed, "quant_mtp": build_mtp}
     return run_step(model_path, step, builders[step])

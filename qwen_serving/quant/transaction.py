@@ -148,3 +148,11 @@ def commit(model: Path, staging: Path) -> None:
         (model / COMMIT_MARKER).unlink()
         staging = old
     remove_tree(staging)
+
+
+def create(target: Path, staging: Path) -> None:
+    """Make `staging` the new directory `target` (which must not exist) in one rename."""
+    for root, _dirs, _files in os.walk(staging):
+        fsync_dir(Path(root))
+    os.rename(staging, target)  # fails, leaving staging for recover(), if target appeared meanwhile
+    fsync_dir(target.parent)

@@ -260,7 +260,7 @@ def _write_json(path: Path, data: dict) -> None:
     _write_bytes(path, (json.dumps(data, indent=2) + "\n").encode())
 
 
-def run_step(model_path: str | Path, step: str, build, *, force_note: str = "") -> int:
+def run_step(model_path: str | Path, step: str, build) -> int:
     """Shared CLI body: lock, recover, open, no-op if done, else build the change and apply it.
 
     `build(model)` returns a Change, or raises CheckpointError for wrong input.
@@ -283,7 +283,8 @@ def run_step(model_path: str | Path, step: str, build, *, force_note: str = "") 
             record = apply_change(model, change)
             model.close()
             freed = record["bytes_before"] - record["bytes_after"]
-            say(f"{step}: done; {freed / 1e9:.3f} GB freed" + (f" ({force_note})" if force_note else ""))
+            size = f"{freed / 1e9:.3f} GB freed" if freed >= 0 else f"{-freed / 1e9:.3f} GB added"
+            say(f"{step}: done; {size}")
             return 0
     except (CheckpointError, RuntimeError, ValueError) as e:
         print(f"{step}: error: {e}", file=sys.stderr, flush=True)

@@ -21,6 +21,7 @@ from qwen_serving.kernels.topk_topp import (
     sample_top_k_top_p,
     softmax,
     top_k_top_p_probs,
+    top_k_top_p_reference,
 )
 
 vllm_sampler = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
@@ -75,6 +76,17 @@ def test_random_bf16_logits_match_vllm(stable_vllm, with_p):
     if with_p:
         p[0] = 1.0
     _compare(logits, k, p, 20, stable_vllm(logits, k, p), block=64)
+
+
+def test_reference_is_vllms_rule(stable_vllm):
+    # the plain-torch reference (used by the GPU tests, where vLLM may be absent) is vLLM's rule
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(64, 500, generator=gen) * 2).bfloat16().float()
+    logits[0] = 0.0
+    k = torch.randint(1, 500, (64,), generator=gen)
+    p = torch.rand(64, generator=gen)
+    for kk, pp in [(k, p), (k, None), (None, p)]:
+        assert torch.equal(top_k_top_p_reference(logits, kk, pp), stable_vllm(logits, kk, pp))
 
 
 def test_ties_beyond_the_candidates(stable_vllm):

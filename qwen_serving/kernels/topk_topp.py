@@ -242,6 +242,20 @@ def _top_k_top_p(
     )
 
 
+def top_k_top_p_reference(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """Plain-torch definition (full stable sort): a masked copy of logits, -inf outside the kept set."""
+    ascending, order = logits.sort(dim=-1, stable=True)
+    drop = torch.zeros_like(ascending, dtype=torch.bool)
+    if k is not None:
+        kth_largest = ascending.gather(1, (logits.shape[1] - k.long()).clamp(min=0)[:, None])
+        drop = ascending < kth_largest
+    if p is not None:
+        probs = ascending.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        drop = drop | (probs.cumsum(dim=-1) <= 1 - p[:, None])
+        drop[:, -1] = False  # the most likely token always survives
+    return logits.scatter(1, order, ascending.masked_fill(drop, float("-inf")))
+
+
 def apply_top_k_top_p_small_k(
     logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor | None, k_max: int, block: int = DEFAULT_BLOCK
 ) -> torch.Tensor:

@@ -50,11 +50,12 @@ ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
     ("</think>", False),
 )
 
-# Qwen2's pre-tokenizer split: contractions, letter runs with one leading non-letter,
-# single digits, punctuation runs, newlines, whitespace.
+# Qwen3.5's pre-tokenizer split (the one transformers' Qwen3_5Tokenizer rebuilds on load):
+# contractions, letter(+mark) runs with one leading non-letter, single digits, punctuation
+# runs, newlines, whitespace.
 _SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 _WORDS = (

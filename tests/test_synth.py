@@ -463,6 +463,40 @@ def test_chat_template_with_tools_calls_and_responses(tokenizer):
     )
 
 
+def test_rendered_tool_call_parses_back_with_vllms_qwen3_coder_parser(tokenizer):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers import ToolParserManager
+
+    tools = [
+        {
+            **TOOLS[0],
+            "function": {
+                **TOOLS[0]["function"],
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                },
+            },
+        }
+    ]
+    call = {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}
+    rendered = tokenizer.apply_chat_template(
+        [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+        ],
+        tools=tools,
+        tokenize=False,
+    )
+    assistant_text = rendered.split("<|im_start|>assistant\n")[1].removesuffix("<|im_end|>\n")
+    request = ChatCompletionRequest(model="synthetic", messages=[{"role": "user", "content": "Weather?"}], tools=tools)
+    parser = ToolParserManager.get_tool_parser("qwen3_coder")(tokenizer, request.tools)
+    parsed = parser.extract_tool_calls(assistant_text, request)
+    assert parsed.tools_called and len(parsed.tool_calls) == 1
+    assert parsed.tool_calls[0].function.name == "get_weather"
+    assert json.loads(parsed.tool_calls[0].function.arguments) == call["arguments"]
+
+
 def test_chat_template_drops_reasoning_before_the_last_query(tokenizer):
     messages = [
         {"role": "user", "content": "One?"},

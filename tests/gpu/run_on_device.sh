@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Runs ON THE GPU MACHINE, from the repo root, once the wheel chunks are in /tmp/stage
+# (tests/gpu/README.md). Start it detached, then poll its log:
+#   setsid nohup bash tests/gpu/run_on_device.sh > /tmp/gpu.log 2>&1 &
+# Steps: install the pinned stack into /tmp/site (skipped if done), apply patches/series to it
+# (idempotent), then `pytest -m gpu tests/gpu`. Everything it keeps goes to $QS_GPU_RESULTS
+# (default /tmp/gpu-results): at most 8 flat files. The last line reads `DONE rc=<n> ...`.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT" || exit 1
+RESULTS="${QS_GPU_RESULTS:-/tmp/gpu-results}"
+WORK="${QS_GPU_WORK:-/tmp/qs-gpu-work}"
+SITE="${SITE:-/tmp/site}"
+STAGE="${STAGE:-/tmp/stage}"
+PAY="${PAY:-/tmp/pay}"
+PYTEST_LIMIT_S="${QS_GPU_PYTEST_LIMIT_S:-1500}"
+T0=$(date +%s)
+rm -rf "$RESULTS"
+mkdir -p "$RESULTS" "$WORK"
+exec > >(tee "$RESULTS/run.log") 2>&1
+
+PHASES=""
+log() { printf '[run_on_device +%ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
+record_phase() { PHASES="${PHASES:+$PHASES, }\"$1\": $2"; log "phase $1: $2 s"; }
+kill_leftover_servers() {
+  # process groups of servers that a killed pytest could not stop (written by tests/gpu/conftest.py)
+  [ -f "$WORK/server-pgids" ] || return 0
+  local pgid key
+  while read -r pgid key; do
+    if kill -0 -- "-$pgid" 2>/dev/null; then
+      log "killing leftover server $key (process group $pgid)"
+      kill -TERM -- "-$pgid" 2>/dev/null; sleep 5; kill -KILL -- "-$pgid" 2>/dev/null
+    fi
+  done < "$WORK/server-pgids"
+  rm -f "$WORK/server-pgids"
+}
+finish() {
+  kill_leftover_servers
+  log "results in $RESULTS:"; find "$RESULTS" -maxdepth 1 -type f -printf '  %f %s bytes\n' | sort
+  echo "DONE rc=$1 ($2) after $(( $(date +%s) - T0 )) s"
+  exit "$1"
+}
+
+# 0. the machine
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || finish 10 "no GPU visible"
+python3 -c 'import pytest' || finish 10 "python3 has no pytest"
+
+# 1. the pinned stack (install-on-device.sh: reassemble the chunks, pip install --target, link CUDA libs)
+install_stack() {
+  local n t
+  n=$(find "$STAGE" -maxdepth 1 -name 'pay.*' 2>/dev/null | wc -l)
+  [ "$n" -gt 0 ] || finish 11 "no chunks in $STAGE (stage them first: tests/gpu/README.md)"
+  [ -f .whl/install-on-device.sh ] || finish 11 ".whl/install-on-device.sh missing (carry it with the last chunk)"
+  t=$(date +%s)
+  bash .whl/install-on-device.sh || finish 11 "install-on-device.sh failed"
+  touch "$SITE/.qs-installed"
+  record_phase install_s $(( $(date +%s) - t ))
+}
+if [ -f "$SITE/.qs-installed" ]; then
+  log "pinned stack already in $SITE"
+  record_phase install_s 0
+else
+  install_stack
+fi
+export PYTHONPATH="$SITE:$ROOT" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+  VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
+
+# 2. the patch series (needs GNU patch; a copy can travel in the stage as .whl/tools/patch)
+if ! command -v patch >/dev/null && [ -x "$PAY/tools/patch" ]; then
+  export PATH="$PAY/tools:$PATH"
+fi
+command -v patch >/dev/null || finish 12 "GNU patch not found (tests/gpu/README.md: stage .whl/tools/patch)"
+t=$(date +%s)
+if ! python3 -m qwen_serving.patchset apply --vllm-dir "$SITE/vllm"; then
+  # a series from an earlier run conflicts: reinstall for a pristine tree, then apply once more
+  log "apply refused; reinstalling the pinned stack for a pristine vllm"
+  install_stack
+  python3 -m qwen_serving.patchset apply --vllm-dir "$SITE/vllm" || finish 12 "patch series does not apply"
+fi
+python3 -m qwen_serving.patchset verify --vllm-dir "$SITE/vllm" || finish 12 "patch series not fully applied"
+record_phase apply_s $(( $(date +%s) - t ))
+
+# 3. the smoke tests (conftest.py writes gpu-smoke-h200.json and the server logs into $RESULTS)
+log "pytest -m gpu tests/gpu"
+export QS_GPU_RESULTS="$RESULTS" QS_GPU_WORK="$WORK" QS_GPU_RUNNER_T0="$T0" QS_GPU_RUNNER_PHASES="{$PHASES}"
+rm -f "$WORK/server-pgids"
+timeout --signal=TERM --kill-after=60 "$PYTEST_LIMIT_S" \
+  python3 -m pytest -m gpu tests/gpu -p no:cacheprovider -rA -v \
+  --junitxml="$RESULTS/junit.xml" -o junit_family=xunit2
+rc=$?
+[ "$rc" -eq 124 ] && finish "$rc" "pytest passed its ${PYTEST_LIMIT_S} s limit"
+finish "$rc" "pytest exit status"

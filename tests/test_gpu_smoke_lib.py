@@ -1,0 +1,422 @@
+"""CPU checks of the GPU smoke run's plumbing (tests/gpu/smoke_lib.py), so the one scarce H200 visit
+works first time: the server and bench command lines go through vLLM's own parsers and resolve to
+the intended engine configs, the server process/HTTP helpers work against a stand-in server, and the
+near-tie rule, /metrics parsing and result JSON behave on fake data.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import stat
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+GPU_DIR = Path(__file__).resolve().parent / "gpu"
+
+
+def _load_smoke_lib():
+    if "smoke_lib" in sys.modules:  # already imported by tests/gpu/conftest.py
+        return sys.modules["smoke_lib"]
+    spec = importlib.util.spec_from_file_location("smoke_lib", GPU_DIR / "smoke_lib.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["smoke_lib"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+lib = _load_smoke_lib()
+
+
+# ------------------------------------------------------------------------------------------------
+# command lines through vLLM's parsers
+
+
+@pytest.fixture(scope="module")
+def checkpoint_configs(tmp_path_factory):
+    """Config and tokenizer files (no weights) of the tiny and shape checkpoints."""
+    from qwen_serving.synth import write_config_files
+
+    root = tmp_path_factory.mktemp("synth-configs")
+    for size in ("tiny", "shape"):
+        (root / size).mkdir()
+        write_config_files(root / size, size, 4)
+    return root / "tiny", root / "shape"
+
+
+def parse_serve(argv: list[str]):
+    """What `python -m vllm.entrypoints.cli.main serve ...` does with argv, up to the engine config."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    assert argv[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
+    top = FlexibleArgumentParser(prog="vllm")
+    ServeSubcommand().subparser_init(top.add_subparsers(dest="subcommand"))
+    args = top.parse_args(argv[3:])
+    args.model = args.model_tag  # ServeSubcommand.cmd does this
+    assert Path(args.model).is_dir(), "the model must be the local checkpoint (no hub look-up)"
+    validate_parsed_serve_args(args)
+    return args, EngineArgs.from_cli_args(args)
+
+
+def test_server_command_lines_resolve_to_the_intended_engine_configs(checkpoint_configs, monkeypatch):
+    import vllm.model_executor.models.registry as registry
+
+    # vLLM inspects model classes in a fresh interpreter that lacks cpu_compat's shims: inspect in-process
+    monkeypatch.setattr(registry, "_run_in_subprocess", lambda fn: fn())
+    tiny, shape = checkpoint_configs
+    specs = {**lib.tiny_server_specs(tiny), "c": lib.shape_server_spec(shape)}
+    argvs = {key: lib.serve_argv(spec, 8123 + i) for i, (key, spec) in enumerate(specs.items())}
+    # B is A without speculation, nothing else
+    a_flags, b_flags = argvs["a"], argvs["b"]
+    spec_at = a_flags.index("--speculative-config")
+    assert a_flags[:spec_at] + a_flags[spec_at + 2 :] == [f if f != "8124" else "8123" for f in b_flags]
+
+    configs = {}
+    for key, argv in argvs.items():
+        args, engine_args = parse_serve(argv)
+        configs[key] = (args, engine_args.create_engine_config())
+
+    for key in ("a", "b"):
+        args, config = configs[key]
+        assert args.enable_auto_tool_choice and args.tool_call_parser == "qwen3_coder"
+        assert args.enable_prompt_tokens_details
+        assert config.cache_config.enable_prefix_caching
+        assert config.cache_config.mamba_cache_mode == "align"
+        assert config.model_config.logprobs_mode == "raw_logits"
+        assert config.model_config.max_model_len == 4096
+        assert config.cache_config.kv_cache_memory_bytes == 2 * lib.GIB
+    speculative = configs["a"][1].speculative_config
+    assert speculative.method == "mtp" and speculative.num_speculative_tokens == 4
+    assert configs["b"][1].speculative_config is None
+    for key, (args, config) in configs.items():
+        assert config.model_config.enforce_eager, key
+        assert args.host == "127.0.0.1" and args.language_model_only, key
+        assert args.gdn_prefill_backend == "triton", key
+        assert config.model_config.quantization == "compressed-tensors", key
+    assert specs["c"].extra_env == {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"}
+    assert configs["c"][1].model_config.max_model_len == 2048
+    env = lib.server_env(specs["c"], {"PATH": "/usr/bin"})
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_DISABLED_KERNELS"] == "MacheteLinearKernel" and env["PATH"] == "/usr/bin"
+
+
+def test_model_max_len_respects_the_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 1024}}))
+    assert lib.model_max_len(tmp_path, 4096) == 1024
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 262144}))
+    assert lib.model_max_len(tmp_path, 4096) == 4096
+
+
+def test_bench_serve_command_line_parses(tmp_path):
+    from vllm.entrypoints.cli.benchmark.serve import BenchmarkServingSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = lib.bench_serve_argv("http://127.0.0.1:9000", "tiny", tmp_path, tmp_path / "out", "bench.json")
+    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    BenchmarkServingSubcommand.add_cli_args(parser)
+    args = parser.parse_args(argv[5:])
+    assert (args.backend, args.base_url, args.model, args.tokenizer) == (
+        "vllm",
+        "http://127.0.0.1:9000",
+        "tiny",
+        str(tmp_path),
+    )
+    assert (args.dataset_name, args.num_prompts, args.random_input_len, args.random_output_len) == (
+        "random",
+        16,
+        128,
+        32,
+    )
+    assert args.save_result and args.result_dir == str(tmp_path / "out") and args.result_filename == "bench.json"
+
+
+# ------------------------------------------------------------------------------------------------
+# server process and HTTP helpers against a stand-in server
+
+FAKE_SERVER = textwrap.dedent(
+    """
+    import json, sys, time
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    argv = sys.argv
+    port = int(argv[argv.index("--port") + 1])
+    mode = argv[argv.index("--served-model-name") + 1]
+    print("starting stand-in server", mode, flush=True)
+    if mode == "dies":
+        print("Using MarlinLinearKernel for CompressedTensorsWNA16", flush=True)
+        sys.exit(3)
+    time.sleep(0.5)
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            if self.path == "/health":
+                body, kind = b"", "text/plain"
+            elif self.path == "/metrics":
+                body, kind = b'vllm:prefix_cache_hits_total{engine="0"} 7.0\\n', "text/plain"
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if payload.get("bad"):
+                self.send_error(400, "bad request")
+                return
+            if payload.get("stream"):
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for i in range(3):
+                    self.wfile.write(b"data: " + json.dumps({"i": i}).encode() + b"\\n\\n")
+                self.wfile.write(b"data: [DONE]\\n\\n")
+                return
+            body = json.dumps({"echo": payload}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    """
+)
+
+
+@pytest.fixture
+def fake_python(tmp_path):
+    """An executable that takes `serve_argv`'s place of python3 and runs the stand-in server."""
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    launcher = tmp_path / "fake-python"
+    launcher.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    launcher.chmod(launcher.stat().st_mode | stat.S_IEXEC)
+    return str(launcher)
+
+
+def stand_in_spec(tmp_path, name: str) -> lib.ServerSpec:
+    return lib.ServerSpec(
+        key=f"fake-{name}", model_dir=tmp_path, served_name=name, max_model_len=64, max_num_seqs=1, kv_cache_bytes=1
+    )
+
+
+def test_server_process_health_http_and_stop(tmp_path, fake_python):
+    server = lib.ServerProcess(stand_in_spec(tmp_path, "ok"), tmp_path / "logs" / "server.log", {}, fake_python)
+    server.launch()
+    try:
+        server.wait_healthy(timeout_s=30)
+        assert server.start_seconds is not None and server.start_seconds >= 0
+        assert lib.post_json(server.url + "/v1/completions", {"x": 1}) == {"echo": {"x": 1}}
+        events, done = lib.post_sse(server.url + "/v1/chat/completions", {"stream": True})
+        assert done and events == [{"i": 0}, {"i": 1}, {"i": 2}]
+        assert lib.counter_total(lib.get_text(server.url + "/metrics"), "vllm:prefix_cache_hits") == 7.0
+        with pytest.raises(lib.HttpError) as err:
+            lib.post_json(server.url + "/v1/completions", {"bad": True})
+        assert err.value.status == 400
+    finally:
+        server.stop(grace_s=5)
+    assert server.proc.poll() is not None
+    log = server.log_text()
+    assert log.startswith("$ ") and "starting stand-in server ok" in log
+
+
+def test_server_that_dies_fails_with_its_log_tail(tmp_path, fake_python):
+    server = lib.ServerProcess(stand_in_spec(tmp_path, "dies"), tmp_path / "server.log", {}, fake_python)
+    server.launch()
+    with pytest.raises(lib.ServerStartError) as err:
+        server.wait_healthy(timeout_s=30)
+    assert "exited with code 3" in str(err.value)
+    assert "starting stand-in server dies" in str(err.value)
+    assert lib.WNA16_KERNEL_RE.findall(server.log_text()) == ["MarlinLinearKernel"]
+
+
+def test_trim_to_tail(tmp_path):
+    log = tmp_path / "big.log"
+    log.write_bytes(b"x" * 1000 + b"END")
+    lib.trim_to_tail(log, 100)
+    data = log.read_bytes()
+    assert data.endswith(b"x" * 97 + b"END") and data.startswith(b"[... earlier output trimmed ...]")
+    lib.trim_to_tail(log, 10_000)  # already small: untouched
+    assert log.read_bytes() == data
+
+
+# ------------------------------------------------------------------------------------------------
+# /metrics
+
+METRICS_PAGE = """\
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 800.0
+vllm:prefix_cache_hits_total{engine="1",model_name="tiny"} 4.0
+vllm:prefix_cache_hits_created{engine="0",model_name="tiny"} 1.7e9
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 1404.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="tiny"} 1.28e3
+"""
+
+
+def test_counter_total_sums_label_sets_and_ignores_created():
+    assert lib.counter_total(METRICS_PAGE, "vllm:prefix_cache_hits") == 804.0
+    assert lib.counter_total(METRICS_PAGE, "vllm:prefix_cache_queries") == 1404.0
+    assert lib.counter_total(METRICS_PAGE, "vllm:spec_decode_num_draft_tokens") == 1280.0
+    with pytest.raises(KeyError):
+        lib.counter_total(METRICS_PAGE, "vllm:prefix_cache_misses")
+
+
+# ------------------------------------------------------------------------------------------------
+# near-tie rule
+
+
+def test_bf16_ulp_matches_torch():
+    for value in (1.0, 3.0, -5.5, 0.3, 17.0):
+        x = torch.tensor(abs(value), dtype=torch.bfloat16)
+        next_up = (x.view(torch.int16) + 1).view(torch.bfloat16)
+        assert lib.bf16_ulp(value) == pytest.approx(float(next_up) - float(x), rel=0, abs=0), value
+    assert lib.bf16_ulp(0.0) == 0.0
+
+
+def choice(tokens: list[int], top: list[dict[int, float]]) -> dict:
+    """A /v1/completions choice as vLLM returns it with return_tokens_as_token_ids and return_token_ids."""
+    return {
+        "token_ids": tokens,
+        "logprobs": {
+            "tokens": [f"token_id:{t}" for t in tokens],
+            "token_logprobs": [entry[t] for t, entry in zip(tokens, top, strict=True)],
+            "top_logprobs": [{f"token_id:{k}": v for k, v in entry.items()} for entry in top],
+        },
+    }
+
+
+def trace(tokens, top):
+    return lib.trace_from_choice(choice(tokens, top))
+
+
+def test_trace_from_choice_reads_token_ids_and_rejects_text_keys():
+    t = trace([5, 9], [{5: 2.0, 6: 1.0}, {9: 3.0, 1: 0.5}])
+    assert t.token_ids == [5, 9] and t.chosen == [2.0, 3.0] and t.top[1] == {9: 3.0, 1: 0.5}
+    broken = choice([5], [{5: 2.0, 6: 1.0}])
+    broken["logprobs"]["top_logprobs"] = [{"hello": 2.0}]
+    with pytest.raises(ValueError, match="token_id"):
+        lib.trace_from_choice(broken)
+    short = choice([5, 9], [{5: 2.0}, {9: 3.0}])
+    short["token_ids"] = [5]
+    with pytest.raises(ValueError, match="disagree"):
+        lib.trace_from_choice(short)
+
+
+def test_identical_runs_have_no_divergence_and_measure_noise():
+    a = [trace([1, 2, 3], [{1: 4.0, 7: 1.0}, {2: 4.0, 7: 1.0}, {3: 4.0, 7: 1.0}])]
+    b = [trace([1, 2, 3], [{1: 4.0, 7: 1.0}, {2: 4.0078125, 7: 1.0}, {3: 4.0, 7: 1.0}])]
+    result = lib.compare_greedy(a, b)
+    assert result.divergences == [] and result.identical_prompts == 1 and result.compared_positions == 3
+    assert result.noise == 0.0078125
+    assert result.summary()["token_identical_prompts"] == 1
+
+
+def test_divergence_at_a_near_tie_is_explained():
+    # position 1: A picks 8 over 9 by one bf16 step at ~4, B the other way round
+    a = trace([1, 8, 5], [{1: 4.0, 2: 1.0}, {8: 4.03125, 9: 4.0}, {5: 3.0, 6: 1.0}])
+    b = trace([1, 9, 6], [{1: 4.0, 2: 1.0}, {9: 4.03125, 8: 4.0}, {6: 3.0, 5: 1.0}])
+    (divergence,) = lib.compare_greedy([a], [b]).divergences
+    assert (divergence.position, divergence.token_a, divergence.token_b) == (1, 8, 9)
+    assert divergence.gap_a == divergence.gap_b == 0.03125
+    assert divergence.tolerance == pytest.approx(2 * lib.bf16_ulp(4.03125))
+    assert divergence.explained, divergence.reason
+
+
+def test_divergence_with_a_clear_gap_is_not_explained():
+    a = trace([1, 8], [{1: 4.0, 2: 1.0}, {8: 4.5, 9: 4.0}])
+    b = trace([1, 9], [{1: 4.0, 2: 1.0}, {9: 4.5, 8: 4.0}])
+    result = lib.compare_greedy([a], [b])
+    (divergence,) = result.unexplained
+    assert "exceeds tolerance" in divergence.reason
+
+
+def test_divergence_outside_the_top_two_is_not_explained():
+    a = trace([1, 8], [{1: 4.0, 2: 1.0}, {8: 4.0, 3: 4.0}])
+    b = trace([1, 9], [{1: 4.0, 2: 1.0}, {9: 4.0, 8: 4.0}])
+    (divergence,) = lib.compare_greedy([a], [b]).unexplained
+    assert "not both" in divergence.reason and divergence.gap_a is None
+
+
+def test_measured_noise_widens_the_tolerance_up_to_the_ceiling():
+    # small logits (ulp ~0.001): a 0.02 gap is a tie only because the engines were measured 0.015 apart
+    same = [{1: 0.3, 2: 0.1}, {1: 0.315, 2: 0.1}]
+    a = trace([1, 1, 8], [same[0], same[0], {8: 0.32, 9: 0.30}])
+    b = trace([1, 1, 9], [same[0], same[1], {9: 0.32, 8: 0.30}])
+    result = lib.compare_greedy([a], [b])
+    assert result.noise == pytest.approx(0.015)
+    (divergence,) = result.divergences
+    assert divergence.explained and divergence.tolerance == pytest.approx(0.03)
+    # the same gap with a huge measured noise is capped at the ceiling
+    a2 = trace([1, 8], [{1: 1.0, 2: 0.1}, {8: 0.5, 9: 0.3}])
+    b2 = trace([1, 9], [{1: 1.4, 2: 0.1}, {9: 0.5, 8: 0.3}])
+    (capped,) = lib.compare_greedy([a2], [b2]).divergences
+    assert capped.tolerance == lib.NEAR_TIE_CEILING and not capped.explained
+
+
+def test_length_mismatch_is_a_divergence():
+    a = trace([1, 2], [{1: 4.0, 2: 1.0}, {2: 4.0, 1: 1.0}])
+    b = trace([1], [{1: 4.0, 2: 1.0}])
+    (divergence,) = lib.compare_greedy([a], [b]).unexplained
+    assert divergence.reason == "outputs differ in length"
+    with pytest.raises(ValueError):
+        lib.compare_greedy([a], [])
+
+
+# ------------------------------------------------------------------------------------------------
+# result JSON
+
+
+def test_merge_outcome():
+    assert lib.merge_outcome(None, "passed") == "passed"
+    assert lib.merge_outcome("passed", "failed") == "failed"
+    assert lib.merge_outcome("failed", "passed") == "failed"  # a teardown pass cannot hide a failed call
+    assert lib.merge_outcome("skipped", "passed") == "skipped"
+
+
+def test_runner_phases():
+    assert lib.runner_phases({}) == {}
+    assert lib.runner_phases({"QS_GPU_RUNNER_PHASES": '{"install_s": 21, "apply_s": 3}'}) == {
+        "install_s": 21.0,
+        "apply_s": 3.0,
+    }
+    with pytest.raises(ValueError):
+        lib.runner_phases({"QS_GPU_RUNNER_PHASES": "[1]"})
+
+
+def test_build_report_and_atomic_write(tmp_path):
+    record = {"phases_s": {"install_s": 21.0}, "measurements": {"prefix_cache": {"cached_tokens_second": 2944}}}
+    report = lib.build_report(
+        outcomes={"test_chat_completion_answers": "passed", "test_shape_checkpoint_selects_marlin": "failed"},
+        record=record,
+        exit_status=1,
+        session_seconds=312.34,
+        patches={"series": ["a.patch"], "verify_rc": 0},
+        runner_t0="0",
+    )
+    assert report["tests"] == {"test_chat_completion_answers": "passed", "test_shape_checkpoint_selects_marlin": "failed"}
+    assert report["phases_s"]["install_s"] == 21.0 and report["phases_s"]["pytest_session"] == 312.3
+    assert report["phases_s"]["runner_total"] > 0
+    assert report["versions"]["torch"] == torch.__version__
+    assert set(report) >= {"date", "gpu", "versions", "patches", "tests", "phases_s", "measurements"}
+    path = tmp_path / "out" / "gpu-smoke-h200.json"
+    lib.write_json_atomic(path, report)
+    assert json.loads(path.read_text())["measurements"]["prefix_cache"]["cached_tokens_second"] == 2944
+    assert [p.name for p in path.parent.iterdir()] == ["gpu-smoke-h200.json"]
+    assert math.isfinite(report["phases_s"]["runner_total"])

@@ -274,8 +274,9 @@ def intended_int4(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The weight a linear is meant to hold, as (codes int8, positive scales fp16, flip mask).
 
-    Weight = scale * code. Groups in `flip` (about half) are written with scale and codes negated,
-    as AutoRound's symmetric export does; they draw codes from [-7, 7] so the negation stays int4.
+    Weight = scale * code. Groups in `flip` (about half, like the negative scales of AutoRound's
+    symmetric exports) are written with scale and codes negated; they draw codes from [-7, 7] so the
+    negation stays int4 (AutoRound itself can leave -8 under a negative scale: docs/synthetic.md).
     """
     out, inp = linear.out_features, linear.in_features
     gen = _generator(seed, linear.module, device)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import re
 import shlex
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 MODES = ("batch", "single")
 BASE_MODEL = "models/Qwen3.8-27B-W4A16-AutoRound"
@@ -254,9 +256,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("DFLASH_MAX_LEN", _int(1024, 1 << 20), _rules(
         Rule(221_184, {"CTX": "huge", "DFLASH_TOKENS": Above(7)}, "spec 82bd62d: above 7 drafts 240k does not boot"),
         Rule(245_760, {"CTX": "huge"}),
-        Rule(110_592, {"CTX": "long", "DFLASH_TOKENS": Above(7)}),
+        Rule(114_688, {"CTX": "long", "DFLASH_TOKENS": Above(7)}),
         Rule(131_072, {"CTX": "long"}),
-        Rule(55_296, {"DFLASH_TOKENS": Above(7)}, "memory model: the longest context a 16-token block leaves in 5.2 GiB"),
+        Rule(57_344, {"DFLASH_TOKENS": Above(7)}, "memory model: the longest context a 16-token block leaves in 5.2 GiB"),
         Rule(65_536)), "context length with SPEC=dflash2", SINGLE),
     Knob("MAX_LEN", _int(1024, 1 << 20), _rules(
         Rule(262_144, {"mode": "batch", "KV": ("int4pth", "kvarn")}),
@@ -386,14 +388,36 @@ def markdown(mode: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+BLOCK = re.compile(r"(<!-- knobs:begin -->\n)(.*?)(<!-- knobs:end -->)", re.S)
+
+
+def update_readme(path: Path, mode: str) -> bool:
+    """Replace the table between the knobs markers of `path` (written atomically); True if it changed."""
+    text = path.read_text()
+    if not BLOCK.search(text):
+        raise KnobError(f"{path} has no <!-- knobs:begin --> / <!-- knobs:end --> lines to fill")
+    new = BLOCK.sub(lambda m: m.group(1) + markdown(mode) + m.group(3), text, count=1)
+    if new == text:
+        return False
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(new)
+    os.replace(tmp, path)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qwen_serving.knobs", description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", action="store_true", help="print the knob table")
     ap.add_argument("--mode", choices=("batch", "single", "common"), default="common")
+    ap.add_argument("--update", type=Path, metavar="README", help="rewrite the table inside README's knobs markers")
     args = ap.parse_args(argv)
     if not args.markdown:
         ap.print_help()
         return 2
+    if args.update:
+        changed = update_readme(args.update, args.mode)
+        print(f"{args.update}: {'updated' if changed else 'already current'}")
+        return 0
     sys.stdout.write(markdown(args.mode))
     return 0
 

@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from . import kv_groups
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -93,7 +95,7 @@ class CacheShape:
     spec: Literal["off", "mtp", "dflash2"] = "off"
     spec_tokens: int = 0  # k: MTP drafts, or the DFlash2 verify block (DFLASH_TOKENS)
     prefix_cache: bool = False  # align mode: one more state page per GDN group
-    kv_group_fix: bool = True  # patches: the drafter's window layers no longer set the group size
+    kv_group_fix: bool = True  # patches/hybrid-kv-groups: the drafter's window layers no longer set the group size
     max_num_batched_tokens: int = PREFILL_CHUNK
     async_scheduling: bool = False  # two batches in flight: the window group keeps two chunks
     conv_spec_rows: bool = True  # vLLM 0.28.0 keeps k extra conv rows per GDN state; False drops them
@@ -122,11 +124,11 @@ class CacheShape:
 
     @property
     def group_size(self) -> int:
-        sizes = self.buckets
-        if self.kv_group_fix and "window" in sizes:
-            sizes = {k: v for k, v in sizes.items() if k != "window"}
-        smallest, largest = min(sizes.values()), max(sizes.values())
-        return largest if largest < smallest * 1.5 else smallest  # vLLM's 1.5x heuristic
+        """Layers per KV group: upstream's rule, or with the fix the one the hybrid-kv-groups patch uses."""
+        sizes = list(self.buckets.values())
+        if self.kv_group_fix:
+            return kv_groups.choose_group_size(sizes, [kind == "window" for kind in self.buckets])
+        return kv_groups.upstream_group_size(sizes)
 
     @property
     def groups(self) -> dict[str, int]:

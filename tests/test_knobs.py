@@ -83,7 +83,7 @@ def test_readme_tables_are_generated(readme, mode):
     """Fails when a README's knob table drifts from knobs.py: regenerate with the command below."""
     expected = knobs.markdown(mode)
     assert table_in(REPO / readme) == expected, (
-        f"{readme} is stale: replace its knobs block with `python -m qwen_serving.knobs --markdown --mode {mode}`")
+        f"{readme} is stale: python -m qwen_serving.knobs --markdown --mode {mode} --update {readme}")
 
 
 def test_markdown_tables_are_well_formed():
@@ -91,6 +91,17 @@ def test_markdown_tables_are_well_formed():
         rows = knobs.markdown(mode).strip().splitlines()
         widths = {len(re.findall(r"(?<!\\)\|", row)) for row in rows}
         assert len(widths) == 1, f"{mode}: a cell carries an unescaped |"
+
+
+def test_update_rewrites_only_the_block(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n<!-- knobs:begin -->\nold\n<!-- knobs:end -->\n\ntail\n")
+    assert knobs.update_readme(readme, "batch") is True
+    assert readme.read_text() == "# x\n\n<!-- knobs:begin -->\n" + knobs.markdown("batch") + "<!-- knobs:end -->\n\ntail\n"
+    assert knobs.update_readme(readme, "batch") is False
+    (tmp_path / "plain.md").write_text("no markers\n")
+    with pytest.raises(KnobError, match="no <!-- knobs:begin -->"):
+        knobs.update_readme(tmp_path / "plain.md", "batch")
 
 
 def test_cli_prints_the_table():

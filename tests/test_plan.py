@@ -140,7 +140,7 @@ def test_defaults_by_mode(probe):
 def test_every_automatic_adjustment_is_printed(probe):
     p = plan.build("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15"}, probe)
     text = "\n".join(p.notes)
-    for adjusted in ("MAX_SEQS=4", "DFLASH_MAX_LEN=55296", "MAX_LEN=55296", "ASYNC_SCHED=0", "KV_MEM=5583457484"):
+    for adjusted in ("MAX_SEQS=4", "DFLASH_MAX_LEN=57344", "MAX_LEN=57344", "ASYNC_SCHED=0", "KV_MEM=5583457484"):
         assert adjusted in text
     b = plan.build("batch", {"INT8_LAYERS": "."}, probe)
     assert any("GPU_UTIL=0.95 because INT8_LAYERS=." in n for n in b.notes)
@@ -274,7 +274,7 @@ def test_explain_reports_pool_and_seats(probe):
     p = plan.build("single", {"SPEC": "dflash2", "PREFIX_CACHE": "0"}, probe)
     lines = plan.explain_lines(p, probe)
     text = "\n".join(lines)
-    assert "68,416 tokens at 65,536 max-model-len" in text
+    assert "70,548 tokens at 65,536 max-model-len" in text
     assert "resident at 16,384-token prompts = 2 of MAX_SEQS=8" in text.replace("  ", " ").replace("  ", " ") \
         or "2 of MAX_SEQS=8 (the pool holds 2" in text
     assert "free VRAM" in text

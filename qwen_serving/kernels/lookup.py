@@ -149,7 +149,7 @@ def lookup_draft(
     nmax: int = DEFAULT_NMAX,
     slots: torch.Tensor | None = None,
     out: LookupDraft | None = None,
-    block: int = 1024,
+    block: int = 4096,
 ) -> LookupDraft:
     """Draft ``num_draft`` tokens per request from its own history, in one launch for the whole batch.
 
@@ -195,6 +195,6 @@ def lookup_draft(
         NUM_DRAFT=num_draft,
         DRAFT_PAD=triton.next_power_of_2(num_draft),
         BLOCK=block,
-        num_warps=4,
+        num_warps=8,
     )
     return out

@@ -212,8 +212,9 @@ class SpecAttention:
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
     def default_splits(self, batch: int) -> int:
-        """About two programs per SM across the batch; each split then adapts to its request's length."""
-        return max(1, min(self.max_splits, triton.cdiv(2 * self._num_sms, batch * self.num_kv_heads)))
+        """One wave: about one program per SM across the batch (a program's K/V tiles fill most of an SM's
+        shared memory); each split then adapts to its request's length on the device."""
+        return max(1, min(self.max_splits, triton.cdiv(self._num_sms, batch * self.num_kv_heads)))
 
     def forward(
         self,

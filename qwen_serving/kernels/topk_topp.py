@@ -81,7 +81,7 @@ def _plan_kernel(
     j = tl.arange(0, K_PAD)
     lane_ok = j < K
     v = tl.load(vals_ptr + r * K + j, mask=lane_ok, other=float("-inf"))
-    ids = tl.load(idx_ptr + r * K + j, mask=lane_ok, other=0)
+    ids = tl.load(idx_ptr + r * K + j, mask=lane_ok, other=0).to(tl.int32)
     bits = (v + 0.0).to(tl.int32, bitcast=True)  # + 0.0 makes -0.0 equal to 0.0
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     key = tl.where(lane_ok, (ordered.to(tl.int64) << 32) | ids.to(tl.int64), -9223372036854775807 - 1)
@@ -188,9 +188,7 @@ def _top_k_top_p(
         return
     k_cap = min(k_max, vocab)
     num_cand = min(vocab, k_max + 1)
-    vals, idx = torch.topk(logits, num_cand, dim=1)
-    vals = vals.contiguous()
-    idx = idx.to(torch.int32)
+    vals, idx = torch.topk(logits, num_cand, dim=1)  # contiguous [rows, num_cand]; idx int64
     num_blocks = triton.cdiv(vocab, block)
     dev = logits.device
     tie_count = torch.empty(rows, num_blocks, dtype=torch.int32, device=dev)

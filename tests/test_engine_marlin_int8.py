@@ -223,10 +223,12 @@ def test_get_marlin_input_dtype_selects(monkeypatch):
 
 
 def test_new_env_vars_key_the_compile_cache(monkeypatch):
+    """Every VLLM_* variable the engine patches add is registered, so compile_factors() keys on it."""
     import vllm.envs as envs
 
     assert envs.environment_variables["VLLM_MARLIN_INT8_INCLUDE_RE"]() == marlin_int8.DEFAULT_INCLUDE_RE
-    for name, value in (("VLLM_MARLIN_INT8_INCLUDE_RE", "mlp|self_attn"), ("VLLM_V2_CUDAGRAPH_MEM_MIB", "1200")):
+    for name, value in (("VLLM_MARLIN_INT8_INCLUDE_RE", "mlp|self_attn"), ("VLLM_V2_CUDAGRAPH_MEM_MIB", "1200"),
+                        ("VLLM_MTP_DRAFT_VOCAB", "0")):
         before = envs.compile_factors()
         monkeypatch.setenv(name, value)
         assert name in envs.compile_factors() and envs.compile_factors() != before

@@ -335,7 +335,7 @@ def test_divergence_at_a_near_tie_is_explained():
     (divergence,) = lib.compare_greedy([a], [b]).divergences
     assert (divergence.position, divergence.token_a, divergence.token_b) == (1, 8, 9)
     assert divergence.gap_a == divergence.gap_b == 0.03125
-    assert divergence.tolerance == pytest.approx(2 * lib.bf16_ulp(4.03125))
+    assert divergence.tolerance == 2 * lib.bf16_ulp(4.03125) == 0.0625
     assert divergence.explained, divergence.reason
 
 
@@ -367,7 +367,19 @@ def test_measured_noise_widens_the_tolerance_up_to_the_ceiling():
     a2 = trace([1, 8], [{1: 1.0, 2: 0.1}, {8: 0.5, 9: 0.3}])
     b2 = trace([1, 9], [{1: 1.4, 2: 0.1}, {9: 0.5, 8: 0.3}])
     (capped,) = lib.compare_greedy([a2], [b2]).divergences
-    assert capped.tolerance == lib.NEAR_TIE_CEILING and not capped.explained
+    assert capped.tolerance == lib.CEILING_NATS and not capped.explained
+
+
+def test_large_logits_keep_the_bf16_floor_above_the_nats_ceiling():
+    # top logits near 10: one bf16 step is 0.0625, so two steps (0.125) must count as a tie although
+    # 0.125 nats exceeds CEILING_NATS; three steps need noise measured to match
+    assert lib.near_tie_tolerance(0.0, 10.0) == 0.125
+    assert lib.near_tie_tolerance(0.0625, 10.0) == 0.125
+    assert lib.near_tie_tolerance(0.1875, 10.0) == 0.25  # capped at CEILING_ULPS steps
+    a = trace([1, 8], [{1: 10.0, 2: 1.0}, {8: 10.125, 9: 10.0}])
+    b = trace([1, 9], [{1: 10.0625, 2: 1.0}, {9: 10.125, 8: 10.0}])
+    (divergence,) = lib.compare_greedy([a], [b]).divergences
+    assert divergence.explained, divergence.reason
 
 
 def test_length_mismatch_is_a_divergence():

@@ -217,15 +217,19 @@ class ServerProcess:
     def __init__(self, spec: ServerSpec, log_path: Path, env: Mapping[str, str], python: str = "python3"):
         self.spec = spec
         self.log_path = Path(log_path)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = serve_argv(spec, self.port, python)
+        self.python = python
+        self.port = 0
+        self.url = ""
+        self.argv: list[str] = []
         self.env = server_env(spec, env)
         self.proc: subprocess.Popen | None = None
         self.launched_at = 0.0
         self.healthy_at: float | None = None
 
     def launch(self) -> None:
+        self.port = free_port()  # as late as possible: other servers starting up take ports too
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = serve_argv(self.spec, self.port, self.python)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             log.write(("$ " + " ".join(self.argv) + "\n").encode())
@@ -404,16 +408,24 @@ def counter_total(text: str, name: str) -> float:
 # Greedy comparison with the near-tie rule
 
 # A divergence between two greedy runs is explained only by a near-tie, measured at the first
-# diverging position: both engines rank the two tokens as their top two, and the logit gap between
-# them is within the noise we measured between the engines, never more than NEAR_TIE_CEILING.
+# diverging position: both engines rank the two tokens as their top two, and both logit gaps between
+# them are within the noise we measured between the runs:
 #   noise     = the largest |logit_A - logit_B| of the chosen token over all positions where both
-#               engines saw the same context (bf16 differences between MTP-verify and plain decode),
-#   tolerance = min(NEAR_TIE_CEILING, max(NOISE_FACTOR * noise, ULP_FACTOR * bf16_ulp(top logit))).
-# The bf16 floor: logits come out of a bf16 lm_head, so two logits one bf16 step apart can swap order
-# from a single rounding difference even where the measured noise happened to be 0.
+#               runs saw the same context (e.g. bf16 differences between MTP verify and plain decode),
+#   tolerance = min(ceiling, max(NOISE_FACTOR * noise, ULP_FACTOR * ulp)),
+#   ceiling   = max(CEILING_NATS, CEILING_ULPS * ulp),  ulp = bf16 spacing at the top logit.
+# The bf16 floor: logits leave a bf16 lm_head, so two logits one bf16 step apart can swap order from a
+# single rounding difference even where the measured noise happened to be 0 (at a logit of 10 one
+# step is 0.0625). The ceiling keeps a noisy engine from explaining away real differences.
 NOISE_FACTOR = 2.0
 ULP_FACTOR = 2.0
-NEAR_TIE_CEILING = 0.1  # nats/logit units: a larger gap is not a tie, whatever the noise
+CEILING_NATS = 0.1
+CEILING_ULPS = 4.0
+
+
+def near_tie_tolerance(noise: float, top_logit: float) -> float:
+    ulp = bf16_ulp(top_logit)
+    return min(max(CEILING_NATS, CEILING_ULPS * ulp), max(NOISE_FACTOR * noise, ULP_FACTOR * ulp))
 
 
 def bf16_ulp(value: float) -> float:
@@ -483,8 +495,9 @@ class GreedyComparison:
             "positions_compared": self.compared_positions,
             "measured_logit_noise": self.noise,
             "rule": (
-                f"divergence explained iff both engines rank the two tokens top-2 and both gaps <= "
-                f"min({NEAR_TIE_CEILING}, max({NOISE_FACTOR}*noise, {ULP_FACTOR}*bf16_ulp(top logit)))"
+                "divergence explained iff both runs rank the two tokens top-2 and both logit gaps <= "
+                f"min(max({CEILING_NATS}, {CEILING_ULPS}*ulp), max({NOISE_FACTOR}*noise, {ULP_FACTOR}*ulp)), "
+                "ulp = bf16 spacing at the top logit"
             ),
             "divergences": [d.__dict__ for d in self.divergences],
         }
@@ -526,7 +539,7 @@ def _judge(prompt: int, position: int, a: GreedyTrace, b: GreedyTrace, noise: fl
     token_a, token_b = a.token_ids[position], b.token_ids[position]
     top_a, top_b = a.top[position], b.top[position]
     top_logit_b = b.chosen[position]
-    tolerance = min(NEAR_TIE_CEILING, max(NOISE_FACTOR * noise, ULP_FACTOR * bf16_ulp(top_logit_b)))
+    tolerance = near_tie_tolerance(noise, top_logit_b)
     gap_a = top_a[token_a] - top_a[token_b] if token_a in top_a and token_b in top_a else None
     gap_b = top_b[token_b] - top_b[token_a] if token_a in top_b and token_b in top_b else None
     if gap_a is None or gap_b is None:

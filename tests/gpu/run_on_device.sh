@@ -80,12 +80,18 @@ fi
 python3 -m qwen_serving.patchset verify --vllm-dir "$SITE/vllm" || finish 12 "patch series not fully applied"
 record_phase apply_s $(( $(date +%s) - t ))
 
-# 3. the smoke tests (conftest.py writes gpu-smoke-h200.json and the server logs into $RESULTS)
-log "pytest -m gpu tests/gpu"
+# 3. the GPU tests (tests/gpu/conftest.py writes gpu-smoke-h200.json and the server logs into $RESULTS)
+# A Triton cache brought back from an earlier visit (README: jit-cache) skips most of the kernel JIT.
+if [ -f .whl/jit-cache.tar.gz ]; then
+  log "restoring the Triton cache from .whl/jit-cache.tar.gz"
+  mkdir -p "$HOME/.triton" && tar -xzf .whl/jit-cache.tar.gz -C "$HOME/.triton"
+fi
+read -ra TARGETS <<< "${QS_GPU_TESTS:-tests/gpu}"
+log "pytest -m gpu ${TARGETS[*]}"
 export QS_GPU_RESULTS="$RESULTS" QS_GPU_WORK="$WORK" QS_GPU_RUNNER_T0="$T0" QS_GPU_RUNNER_PHASES="{$PHASES}"
 rm -f "$WORK/server-pgids"
 timeout --signal=TERM --kill-after=60 "$PYTEST_LIMIT_S" \
-  python3 -m pytest -m gpu tests/gpu -p no:cacheprovider -rA -v \
+  python3 -m pytest -m gpu "${TARGETS[@]}" -p no:cacheprovider -rA -v \
   --junitxml="$RESULTS/junit.xml" -o junit_family=xunit2
 rc=$?
 [ "$rc" -eq 124 ] && finish "$rc" "pytest passed its ${PYTEST_LIMIT_S} s limit"

@@ -1,0 +1,151 @@
+"""The prepared tiny checkpoint in the patched engine (H200): int8 embed_tokens / lm_head / MTP.
+
+Self-contained: synthesises the tiny checkpoint, prepares a copy with prepare/quant_lm_head.py,
+quant_embed.py, quant_mtp.py and build_draft_vocab.py, then starts two offline engines at once
+(this file run as a child script): the unprepared checkpoint without speculation, and the prepared
+one with MTP speculation (so the int8 MTP module and its int8 draft head must load and run too). Each child reports which quantization method
+vLLM built for lm_head and embed_tokens, and greedy continuations with raw logits; the prepared
+engine's greedy output must match the unprepared one's except at measured near-ties (smoke_lib's
+rule). Writes prepared-gpu.json into $QS_GPU_RESULTS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+import smoke_lib as lib  # noqa: E402
+
+PROMPTS, PROMPT_LEN, NEW_TOKENS = 8, 24, 24
+ENGINE_TIMEOUT_S = 900  # a first start of a config is ~200 s (Triton JIT of the GDN kernels)
+STEPS = ("quant_lm_head", "quant_embed", "quant_mtp")
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(0, 3800) for _ in range(PROMPT_LEN)] for _ in range(PROMPTS)]
+
+
+def _run(argv: list[str], env: dict, timeout: float) -> None:
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode != 0:
+        raise AssertionError(f"{' '.join(argv[1:3])} failed (rc {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+
+
+@pytest.mark.gpu
+def test_prepared_checkpoint_uses_int8_and_matches_greedy(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (tests/gpu/README.md)")
+    results = Path(os.environ.get("QS_GPU_RESULTS", tmp_path))
+    results.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **lib.DEVICE_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(REPO)] if p)
+
+    base = tmp_path / "tiny"
+    _run([sys.executable, "-m", "qwen_serving.synth", "--size", "tiny", "--out", str(base), "--seed", "0"], env, 600)
+    prepared = tmp_path / "tiny-prepared"
+    shutil.copytree(base, prepared)
+    for step in STEPS:
+        _run([sys.executable, str(REPO / "prepare" / f"{step}.py"), str(prepared)], env, 300)
+    ids = tmp_path / "draft_ids.json"
+    ids.write_text(json.dumps(list(range(0, 4096, 2))))  # half the tiny vocabulary (+ the stop ids)
+    _run([sys.executable, str(REPO / "prepare" / "build_draft_vocab.py"), str(prepared), "--ids", str(ids)], env, 300)
+    _run([sys.executable, "-m", "qwen_serving.prepare_status", str(prepared), "--strict"], env, 120)
+
+    children = {}
+    for name, model, speculate in (("base", base, False), ("prepared", prepared, True)):
+        out = tmp_path / f"{name}.json"
+        log = open(results / f"prepared-gpu-{name}.log", "w")  # noqa: SIM115 (closed below)
+        argv = [sys.executable, str(Path(__file__)), str(model), str(out), "1" if speculate else "0"]
+        children[name] = (subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), out, log)
+    reports = {}
+    for name, (proc, out, log) in children.items():
+        try:
+            proc.wait(timeout=ENGINE_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+        tail = (results / f"prepared-gpu-{name}.log").read_text()[-4000:]
+        assert proc.returncode == 0 and out.exists(), f"{name} engine failed (rc {proc.returncode}):\n{tail}"
+        reports[name] = json.loads(out.read_text())
+
+    modules = reports["prepared"]["modules"]
+    assert modules["lm_head_scheme"] == "CompressedTensorsWNA16" and modules["lm_head_bits"] == 8, modules
+    assert modules["embed_method"] == "CompressedTensorsEmbeddingWNA16Int" and modules["embed_bits"] == 8, modules
+    assert reports["base"]["modules"]["embed_method"] != "CompressedTensorsEmbeddingWNA16Int"
+
+    traces = {
+        name: [lib.GreedyTrace(t["token_ids"], t["chosen"], [dict(pairs) for pairs in t["top"]]) for t in r["traces"]]
+        for name, r in reports.items()
+    }
+    comparison = lib.compare_greedy(traces["base"], traces["prepared"])
+    lib.write_json_atomic(results / "prepared-gpu.json", {
+        "modules": {name: r["modules"] for name, r in reports.items()},
+        "comparison": comparison.summary(),
+        "prompts": PROMPTS,
+        "new_tokens": NEW_TOKENS,
+    })
+    assert not comparison.unexplained, comparison.summary()
+
+
+# ---------------------------------------------------------------- child: one offline engine
+
+
+def describe(model) -> dict:
+    """Which quantization method vLLM built for the lm_head and the embedding (runs in the worker)."""
+    lm = getattr(model, "language_model", model)
+    head, embed = lm.lm_head, lm.model.embed_tokens
+    scheme = getattr(head, "scheme", None)
+    return {
+        "lm_head_method": type(head.quant_method).__name__,
+        "lm_head_scheme": type(scheme).__name__ if scheme is not None else None,
+        "lm_head_bits": getattr(scheme, "num_bits", None),
+        "lm_head_kernel": type(getattr(scheme, "kernel", None)).__name__,
+        "embed_method": type(embed.quant_method).__name__,
+        "embed_bits": getattr(embed.quant_method, "num_bits", None),
+    }
+
+
+def child(model: str, out: str, speculate: bool) -> None:
+    os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+                       "VLLM_DISABLED_KERNELS": "MacheteLinearKernel"})  # Marlin, the kernel an RTX 3090 runs
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=model, language_model_only=True, gdn_prefill_backend="triton", enforce_eager=True,
+        max_model_len=512, max_num_seqs=PROMPTS, gpu_memory_utilization=0.1, kv_cache_memory_bytes=1 << 30,
+        logprobs_mode="raw_logits", seed=0,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2} if speculate else None,
+    )
+    modules = llm.apply_model(describe)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=2, ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in _prompts()], params)
+    traces = []
+    for output in outputs:
+        completion = output.outputs[0]
+        ids = list(completion.token_ids)
+        steps = completion.logprobs
+        traces.append({
+            "token_ids": ids,
+            "chosen": [steps[i][t].logprob for i, t in enumerate(ids)],
+            "top": [[[int(k), v.logprob] for k, v in step.items()] for step in steps],  # JSON keys would be str
+        })
+    Path(out).write_text(json.dumps({"modules": modules, "traces": traces}))
+
+
+if __name__ == "__main__":
+    child(sys.argv[1], sys.argv[2], sys.argv[3] == "1")

@@ -39,3 +39,18 @@ def install() -> None:
         if backend.driver is not None:
             backend.driver.is_active = staticmethod(lambda: True)
             break
+
+
+def inspect_models_in_process() -> None:
+    """vLLM inspects model classes in a fresh interpreter, which lacks these shims on a CPU host.
+
+    Inspecting in-process is safe here (no CUDA state to protect). Imports vLLM, so call it only where
+    vLLM is needed anyway (tests), after ``install()``.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda fn: fn()

@@ -15,6 +15,7 @@ if str(REPO) not in sys.path:
 from qwen_serving import cpu_compat  # noqa: E402
 
 cpu_compat.install()
+cpu_compat.inspect_models_in_process()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -66,10 +66,14 @@ def test_head_dim_256_and_split_layout():
 
 
 def test_fp8_kv_with_scales():
+    # every e4m3 code (subnormals and negatives included, NaN excluded) appears in the cache
     q, kc, vc, bt, sl, qsl = make_paged([70, 33], [4, 2], 12, 2, 64, 32, seed=2)
-    k8 = (kc.float() * 8).to(torch.float8_e4m3fn)
-    v8 = (vc.float() * 4).to(torch.float8_e4m3fn)
-    k_scale, v_scale = torch.tensor([0.125]), torch.tensor([0.25])
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 256, kc.shape, generator=gen, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] -= 1
+    k8 = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    v8 = codes.flip(-1).to(torch.uint8).view(torch.float8_e4m3fn)
+    k_scale, v_scale = torch.tensor([1 / 64]), torch.tensor([1 / 128])
     attn = SpecAttention(12, 2, 64, max_batch=2, max_query_len=4, max_splits=4, device="cpu", block_n=16)
     got = attn(q, k8, v8, bt, sl, qsl, 4, 0.125, k_scale=k_scale, v_scale=v_scale)
     want = spec_attention_reference(q, k8, v8, bt, sl, qsl, 0.125, k_scale=k_scale, v_scale=v_scale)

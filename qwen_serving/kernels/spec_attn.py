@@ -84,7 +84,7 @@ def _split_kv_kernel(
     t_end = tl.minimum(t_begin + per_split, tiles)
     qk_scale = sm_scale * 1.4426950408889634  # exp2
     if FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
+        qk_scale = qk_scale * tl.load(k_scale_ptr) * 256.0
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -99,9 +99,14 @@ def _split_kv_kernel(
                     other=0.0)
         v = tl.load(v_ptr + (blk * v_s0 + slot * v_s1 + kvh * v_s2)[:, None] + d[None, :], mask=in_seq[:, None],
                     other=0.0)
-        if FP8:  # e4m3 values are exact in bf16; the per-tensor scales are applied to S and to the output
-            k = k.to(tl.bfloat16)
-            v = v.to(tl.bfloat16)
+        if FP8:
+            # e4m3 bytes -> bf16 without fp8 hardware (Triton has no e4m3 type below sm89, the RTX 3090's
+            # sm86): its 7 low bits placed at fp16 bits 13..7 give exactly value * 2**-8 (subnormals
+            # included), exact in bf16 too; the 2**8 goes into the scales.
+            k = k.to(tl.int32)
+            k = (((k & 0x80) << 8) | ((k & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.bfloat16)
+            v = v.to(tl.int32)
+            v = (((v & 0x80) << 8) | ((v & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.bfloat16)
         if UPCAST_DOT:  # the CPU interpreter mis-multiplies bf16 dots; fp32 operands hold the same values
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * qk_scale
         else:
@@ -121,7 +126,7 @@ def _split_kv_kernel(
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     if FP8:
-        out = out * tl.load(v_scale_ptr)
+        out = out * (tl.load(v_scale_ptr) * 256.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     base = (b * num_kv_heads + kvh) * num_splits + split
     tl.store(part_lse_ptr + base.to(tl.int64) * max_rows + rows, lse, mask=rows < max_rows)
@@ -248,6 +253,8 @@ class SpecAttention:
             raise ValueError(f"num_splits must be in [1, {self.max_splits}], got {splits}")
         block_m = max(16, triton.next_power_of_2(max_query_len * self.group))
         scale_dummy = seq_lens  # never read when the cache is not fp8
+        if fp8:  # read as bytes, decoded in the kernel
+            key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
         _split_kv_kernel[(batch, self.num_kv_heads, splits)](
             q, q.stride(0), q.stride(1),
             key_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

@@ -319,6 +319,32 @@ def test_trace_from_choice_reads_token_ids_and_rejects_text_keys():
         lib.trace_from_choice(short)
 
 
+def test_trace_reads_vllms_own_completion_logprobs():
+    """The logprobs block as vLLM 0.28.0's completions server builds it (return_tokens_as_token_ids)."""
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.logprobs import Logprob
+
+    server = SimpleNamespace(
+        return_tokens_as_token_ids=False, _get_decoded_token=GenerateBaseServing._get_decoded_token
+    )
+    token_ids = [17, 4]
+    # per position: the sampled token first, then the top-k by rank (what the V1 engine hands the server)
+    steps = [
+        {17: Logprob(10.125, rank=1), 3: Logprob(10.0, rank=2)},
+        {4: Logprob(-2.5, rank=1), 9: Logprob(-20000.0, rank=2)},
+    ]
+    block = OpenAIServingCompletion._create_completion_logprobs(
+        server, token_ids, steps, num_output_top_logprobs=2, tokenizer=None, return_as_token_id=True
+    )
+    choice = json.loads(json.dumps({"token_ids": token_ids, "logprobs": block.model_dump()}))
+    t = lib.trace_from_choice(choice)
+    assert t.token_ids == [17, 4] and t.chosen == [10.125, -2.5]
+    assert t.top == [{17: 10.125, 3: 10.0}, {4: -2.5, 9: -9999.0}]  # vLLM clamps -inf/huge negatives
+
+
 def test_identical_runs_have_no_divergence_and_measure_noise():
     a = [trace([1, 2, 3], [{1: 4.0, 7: 1.0}, {2: 4.0, 7: 1.0}, {3: 4.0, 7: 1.0}])]
     b = [trace([1, 2, 3], [{1: 4.0, 7: 1.0}, {2: 4.0078125, 7: 1.0}, {3: 4.0, 7: 1.0}])]

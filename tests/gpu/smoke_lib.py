@@ -33,10 +33,14 @@ DEVICE_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 
+# Every server here is on 127.0.0.1: never route through a proxy from the environment.
+_LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 # Log line vLLM 0.28.0 prints once per W4A16 kernel class it picks
 # (quantization/compressed_tensors/schemes/compressed_tensors_wNa16.py, CompressedTensorsWNA16.create_weights).
 WNA16_KERNEL_RE = re.compile(r"Using (\w+) for CompressedTensorsWNA16")
-# Hybrid models: vLLM raises the attention block size to fit the GDN state page (config/vllm.py).
+# Hybrid models: vLLM raises the attention block size to fit the GDN state page (platforms/interface.py).
 BLOCK_SIZE_RE = re.compile(r"Setting attention block size to (\d+) tokens")
 
 
@@ -257,7 +261,7 @@ class ServerProcess:
                     f"{self.spec.key} exited with code {code} before /health answered\n{self.log_tail()}"
                 )
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                with _LOCAL.open(self.url + "/health", timeout=5) as response:
                     if response.status == 200:
                         self.healthy_at = time.monotonic()
                         return
@@ -342,7 +346,7 @@ def post_json(url: str, payload: Mapping, timeout_s: float = 300) -> dict:
         url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}, method="POST"
     )
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        with _LOCAL.open(request, timeout=timeout_s) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as err:
         raise HttpError(err.code, err.read().decode(errors="replace")) from err
@@ -356,7 +360,7 @@ def post_sse(url: str, payload: Mapping, timeout_s: float = 300) -> tuple[list[d
     events: list[dict] = []
     done = False
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        with _LOCAL.open(request, timeout=timeout_s) as response:
             for raw in response:
                 line = raw.decode().strip()
                 if not line.startswith("data:"):
@@ -372,7 +376,7 @@ def post_sse(url: str, payload: Mapping, timeout_s: float = 300) -> tuple[list[d
 
 
 def get_text(url: str, timeout_s: float = 60) -> str:
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+    with _LOCAL.open(url, timeout=timeout_s) as response:
         return response.read().decode()
 
 

@@ -268,7 +268,7 @@ def run_step(model_path: str | Path, step: str, build) -> int:
     """
     path = Path(model_path).resolve()
     try:
-        if not path.parent.exists():
+        if not (path.is_dir() or transaction.old_path(path).is_dir()):  # the latter: an interrupted commit
             raise CheckpointError(f"model directory not found: {model_path}")
         with transaction.locked(path):
             for line in transaction.recover(path):

@@ -102,11 +102,6 @@ class SafetensorsFile:
             self.tensors[name] = info
         self._mmap: np.memmap | None = None
 
-    @property
-    def expected_size(self) -> int:
-        """File size the header implies: the end of the last tensor."""
-        return max((t.end for t in self.tensors.values()), default=self.data_start)
-
     def check_complete(self) -> None:
         """Raise unless the data section is exactly the tensors, back to back, and fully present."""
         pos = self.data_start
@@ -196,9 +191,9 @@ def array_tensor(name: str, dtype: str, array: np.ndarray) -> OutTensor:
     return OutTensor(name, dtype, tuple(array.shape), lambda: [array])
 
 
-def copied_tensor(source: SafetensorsFile, name: str, new_name: str | None = None) -> OutTensor:
+def copied_tensor(source: SafetensorsFile, name: str) -> OutTensor:
     info = source.tensors[name]
-    return OutTensor(new_name or name, info.dtype, info.shape, lambda: source.iter_bytes(name))
+    return OutTensor(name, info.dtype, info.shape, lambda: source.iter_bytes(name))
 
 
 def encode_header(tensors: list[OutTensor], metadata: dict[str, str] | None) -> bytes:

@@ -121,6 +121,7 @@ def link_or_copy(src: Path, dst: Path) -> None:
 def stage_tree(model: Path, staging: Path, replaced: set[str]) -> None:
     """Recreate `model` under `staging` as hard links, leaving out the relative paths in `replaced`."""
     staging.mkdir()
+    shutil.copymode(model, staging)
     for root, dirs, files in os.walk(model):
         rel_root = Path(root).relative_to(model)
         for d in dirs:

@@ -66,11 +66,10 @@ def parse_serve(argv: list[str]):
     return args, EngineArgs.from_cli_args(args)
 
 
-def test_server_command_lines_resolve_to_the_intended_engine_configs(checkpoint_configs, monkeypatch):
-    import vllm.model_executor.models.registry as registry
+def test_server_command_lines_resolve_to_the_intended_engine_configs(checkpoint_configs):
+    from qwen_serving import cpu_compat
 
-    # vLLM inspects model classes in a fresh interpreter that lacks cpu_compat's shims: inspect in-process
-    monkeypatch.setattr(registry, "_run_in_subprocess", lambda fn: fn())
+    cpu_compat.inspect_models_in_process()
     tiny, shape = checkpoint_configs
     specs = {**lib.tiny_server_specs(tiny), "c": lib.shape_server_spec(shape)}
     argvs = {key: lib.serve_argv(spec, 8123 + i) for i, (key, spec) in enumerate(specs.items())}

@@ -47,6 +47,7 @@ def main() -> int:
         max_model_len=1024,
         max_num_seqs=2,
         kv_cache_memory_bytes=2 << 30,
+        gpu_memory_utilization=0.1,  # four engines share the GPU: the start-up free-memory check is 0.1 x total
         enable_prefix_caching=False,
         seed=0,
     )

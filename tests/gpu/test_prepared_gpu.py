@@ -6,8 +6,8 @@ quant_embed.py, quant_mtp.py and build_draft_vocab.py, then starts two offline e
 one with MTP speculation (so the int8 MTP module and its int8 draft head must load and run too). Each child reports which quantization method
 vLLM built for lm_head and embed_tokens, and greedy continuations with raw logits; the prepared
 engine's greedy output must match the unprepared one's except at measured near-ties (smoke_lib's
-comparison, with the tie tolerance taken from the measured int8 noise, see below). Writes
-prepared-gpu.json into $QS_GPU_RESULTS.
+comparison, with the tie tolerance taken from the measured int8 noise, see below). Writes one
+file, prepared-gpu.json, into $QS_GPU_RESULTS (engine logs: their tails in it, or in the failure).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_prepared_checkpoint_uses_int8_and_matches_greedy(tmp_path):
     children = {}
     for name, model, speculate in (("base", base, False), ("prepared", prepared, True)):
         out = tmp_path / f"{name}.json"
-        log = open(results / f"prepared-gpu-{name}.log", "w")  # noqa: SIM115 (closed below)
+        log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 (closed below)
         argv = [sys.executable, str(Path(__file__)), str(model), str(out), "1" if speculate else "0"]
         children[name] = (subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), out, log)
     reports = {}
@@ -80,7 +80,7 @@ def test_prepared_checkpoint_uses_int8_and_matches_greedy(tmp_path):
             if proc.poll() is None:
                 proc.kill()
             log.close()
-        tail = (results / f"prepared-gpu-{name}.log").read_text()[-4000:]
+        tail = (tmp_path / f"{name}.log").read_text()[-4000:]
         assert proc.returncode == 0 and out.exists(), f"{name} engine failed (rc {proc.returncode}):\n{tail}"
         reports[name] = json.loads(out.read_text())
 
@@ -111,6 +111,7 @@ def test_prepared_checkpoint_uses_int8_and_matches_greedy(tmp_path):
         "comparison": summary,
         "prompts": PROMPTS,
         "new_tokens": NEW_TOKENS,
+        "engine_log_tails": {name: (tmp_path / f"{name}.log").read_text()[-3000:] for name in reports},
     })
     assert comparison.noise <= MAX_LOGIT_NOISE, summary
     assert comparison.compared_positions >= 4 * PROMPTS, summary

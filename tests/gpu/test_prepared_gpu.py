@@ -73,16 +73,18 @@ def test_prepared_checkpoint_uses_int8_and_matches_greedy(tmp_path):
         argv = [sys.executable, str(Path(__file__)), str(model), str(out), "1" if speculate else "0"]
         children[name] = (subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), out, log)
     reports = {}
-    for name, (proc, out, log) in children.items():
-        try:
+    try:
+        for name, (proc, out, _log) in children.items():
             proc.wait(timeout=ENGINE_TIMEOUT_S)
-        finally:
+            tail = (tmp_path / f"{name}.log").read_text()[-4000:]
+            assert proc.returncode == 0 and out.exists(), f"{name} engine failed (rc {proc.returncode}):\n{tail}"
+            reports[name] = json.loads(out.read_text())
+    finally:
+        for proc, _out, log in children.values():
             if proc.poll() is None:
                 proc.kill()
+                proc.wait()
             log.close()
-        tail = (tmp_path / f"{name}.log").read_text()[-4000:]
-        assert proc.returncode == 0 and out.exists(), f"{name} engine failed (rc {proc.returncode}):\n{tail}"
-        reports[name] = json.loads(out.read_text())
 
     modules = reports["prepared"]["modules"]
     assert modules["lm_head_scheme"] == "CompressedTensorsWNA16" and modules["lm_head_bits"] == 8, modules

@@ -36,7 +36,7 @@ VISION_MAX_PIXELS = 2048 * 32 * 32  # 2048 image tokens of 32x32 pixels (16-pixe
 HUGE_KV = "kvarn"  # the long-context cache dtype CTX=huge and KV=kvarn ask for (added by kvarn/install.sh)
 # VLLM_* names our patches read beside the knobs' own (for the misspelling check).
 PATCH_ENV = ("VLLM_DFLASH2_DRAFT_TOPK_TOPP", "VLLM_DFLASH2_TORCH_TOPK", "VLLM_V2_CUDAGRAPH_MEM_MIB",
-             "VLLM_VISION_CPU_OFFLOAD_GB", "VLLM_MARLIN_TUNE")
+             "VLLM_VISION_CPU_OFFLOAD_GB", "VLLM_MARLIN_TUNE", "VLLM_SMALL_TOPK_SAMPLER")
 # vLLM names this module refers to, for when no vllm is installed to read the full list from.
 KNOWN_VLLM_ENV = ("VLLM_API_KEY", "VLLM_WSL2_ENABLE_PIN_MEMORY", "VLLM_USE_FLASHINFER_SAMPLER",
                   "VLLM_DISABLED_KERNELS", "VLLM_FLASH_ATTN_VERSION", "VLLM_TARGET_DEVICE")

@@ -1,0 +1,135 @@
+"""When vLLM's FlashAttention backend hands a batch to our kernels instead of ``flash_attn_varlen_func``.
+
+Verify step (patches/spec-decode-attn.patch, ``VLLM_SPEC_DECODE_ATTN=1``): speculative-decode verify batches,
+every request with the same small number of query tokens (2-16), go to qwen_serving.kernels.spec_attn, whose
+split-KV grid keeps the SMs busy where FlashAttention runs one program per (request, head). The kernel is exact
+causal attention over the paged cache for any batch whose query lengths fit, so these rules only pick where it
+pays; everything they refuse (prefill chunks, mixed batches, cascade attention, windows, soft caps, sinks,
+ALiBi, context parallelism, quantized queries, other KV dtypes, head sizes the kernel lacks) stays on
+FlashAttention. Decided from host values only: no device sync in the forward pass.
+
+The kernel's scratch (split partials) is allocated once, when the first layer is built, so CUDA graphs capture
+fixed addresses and vLLM's memory profiling counts it; layers of one geometry share it (they run one at a time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .kernels.spec_attn import FP8_DTYPES, SpecAttention
+
+MIN_VERIFY_QUERY = 2  # one query token is plain decode, which FlashAttention already splits
+MAX_VERIFY_QUERY = 16
+MAX_SPLITS = 32
+SCRATCH_BUDGET_BYTES = 64 << 20  # per layer geometry; the splits shrink to fit
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+VERIFY_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
+
+
+@dataclass(frozen=True)
+class VerifyGeometry:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_batch: int
+    max_query_len: int
+    max_splits: int
+
+    def scratch_bytes(self) -> int:
+        rows = self.max_query_len * self.num_heads // self.num_kv_heads
+        return self.max_batch * self.num_kv_heads * self.max_splits * rows * (self.head_dim + 1) * 4
+
+
+def layer_refusal(impl: Any) -> str | None:
+    """Why a FlashAttentionImpl can never take the verify kernel (None: it can)."""
+    head = impl.head_size
+    checks = {
+        "not decoder self-attention": str(getattr(impl.attn_type, "value", impl.attn_type)) != "decoder",
+        "ALiBi": impl.alibi_slopes is not None,
+        "sliding window": tuple(impl.sliding_window) != (-1, -1),
+        "logit soft cap": bool(impl.logits_soft_cap),
+        "attention sinks": impl.sinks is not None,
+        "decode context parallelism": impl.dcp_world_size != 1,
+        f"head size {head} (the kernel needs a power of two >= 16)": head < 16 or head & (head - 1) != 0,
+        f"KV cache dtype {impl.kv_cache_dtype}": impl.kv_cache_dtype not in VERIFY_KV_CACHE_DTYPES,
+        "query heads not a multiple of KV heads": impl.num_heads % impl.num_kv_heads != 0,
+    }
+    return next((why for why, refused in checks.items() if refused), None)
+
+
+def verify_geometry(impl: Any, max_num_seqs: int, num_speculative_tokens: int | None, num_sms: int) -> VerifyGeometry:
+    """Scratch sizing: the scheduler's batch cap, the verify block (drafts + 1, at most 16; 16 when vLLM does not
+    speculate), and as many splits as one wave needs at batch 1 (the kernel's own default) within the budget."""
+    max_query_len = MAX_VERIFY_QUERY if not num_speculative_tokens else min(MAX_VERIFY_QUERY,
+                                                                              num_speculative_tokens + 1)
+    max_query_len = max(MIN_VERIFY_QUERY, max_query_len)
+    one = VerifyGeometry(impl.num_heads, impl.num_kv_heads, impl.head_size, max(1, max_num_seqs), max_query_len, 1)
+    wave = -(-num_sms // impl.num_kv_heads)
+    fit = SCRATCH_BUDGET_BYTES // one.scratch_bytes()
+    splits = max(1, min(MAX_SPLITS, wave, fit))
+    return VerifyGeometry(one.num_heads, one.num_kv_heads, one.head_dim, one.max_batch, max_query_len, splits)
+
+
+_shared: dict[tuple, SpecAttention] = {}
+
+
+def verify_attention_for(impl: Any, vllm_config: Any) -> SpecAttention | None:
+    """The shared verify kernel for this layer's geometry, allocated on first use; None if the layer never
+    qualifies (or there is no engine config to size it from)."""
+    if vllm_config is None or layer_refusal(impl) is not None:
+        return None
+    device = torch.device(vllm_config.device_config.device)
+    if device.type == "cuda":
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        num_sms = 8  # the kernel's CPU (interpreter) default
+    spec = vllm_config.speculative_config
+    geometry = verify_geometry(impl, vllm_config.scheduler_config.max_num_seqs,
+                               spec.num_speculative_tokens if spec is not None else None, num_sms)
+    key = (geometry, str(device))
+    if key not in _shared:
+        _shared[key] = SpecAttention(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim,
+                                     max_batch=geometry.max_batch, max_query_len=geometry.max_query_len,
+                                     max_splits=geometry.max_splits, device=device)
+    return _shared[key]
+
+
+def takes_verify_path(spec_attn: SpecAttention, metadata: Any, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether this batch is a verify batch the kernel takes (FlashAttentionMetadata, host values only)."""
+    if metadata.use_cascade or metadata.causal is not True:
+        return False
+    if metadata.mm_prefix_query_range_tensor is not None or metadata.rswa_prefix_lens is not None:
+        return False
+    query_len = metadata.max_query_len
+    num_reqs = metadata.query_start_loc.shape[0] - 1
+    if not MIN_VERIFY_QUERY <= query_len <= spec_attn.max_query_len or not 1 <= num_reqs <= spec_attn.max_batch:
+        return False
+    if metadata.num_actual_tokens != num_reqs * query_len:
+        return False  # not uniform: a prefill chunk or a mix of requests with and without drafts
+    if query.dtype not in HALF_DTYPES:
+        return False  # e.g. FP8 queries (FlashAttention 3 quantizes them with an fp8 cache)
+    return key_cache.dtype == query.dtype or key_cache.dtype in FP8_DTYPES
+
+
+def run_verify(
+    spec_attn: SpecAttention,
+    layer: torch.nn.Module,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: Any,
+    output: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """The verify kernel on FlashAttention's arguments: caches as [num_blocks, block_size, kv_heads, head_dim]
+    views, fp8 scales from the layer; writes the first num_actual_tokens rows of output."""
+    tokens = metadata.num_actual_tokens
+    fp8 = key_cache.dtype in FP8_DTYPES
+    return spec_attn(
+        query[:tokens], key_cache, value_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
+        metadata.max_query_len, softmax_scale, k_scale=layer._k_scale if fp8 else None,
+        v_scale=layer._v_scale if fp8 else None, out=output[:tokens],
+    )

@@ -1,0 +1,184 @@
+"""Engine hooks on a GPU: sampler-small-topk.patch and spec-decode-attn.patch (and prefill-int8-attn.patch).
+
+- the patched apply_top_k_top_p at the real 248k vocabulary gives vLLM's own masks;
+- the patched FlashAttentionImpl at the 27B attention geometry (24 query / 4 KV heads, head_dim 256): verify
+  batches through the kernel agree with FlashAttention 2 and 3 on the same paged cache;
+- two offline MTP (k=4) engines on the tiny checkpoint, VLLM_SPEC_DECODE_ATTN=1 and 0, started together
+  (tests/gpu/engine_hooks_child.py): greedy outputs token-identical or differing only at measured near-ties
+  (smoke_lib.compare_greedy), and the first one really ran verify batches through the kernel.
+Numbers go to $QS_GPU_RESULTS/engine-hooks-h200.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import smoke_lib as lib
+
+pytestmark = pytest.mark.gpu
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+RESULTS = Path(os.environ.get("QS_GPU_RESULTS", "/tmp/gpu-results"))
+WORK = Path(os.environ.get("QS_GPU_WORK", "/tmp/qs-gpu-work"))
+CHILD = HERE / "engine_hooks_child.py"
+ENGINE_TIMEOUT_S = 900
+VOCAB = 248320
+HQ, HKV, D = 24, 4, 256
+_record: dict = {}
+
+
+def _cuda():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch
+
+
+def _save() -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    lib.write_json_atomic(RESULTS / "engine-hooks-h200.json", _record)
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, **lib.DEVICE_ENV}
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, str(REPO)] if str(REPO) not in paths else paths)
+    return env
+
+
+def test_sampler_masks_equal_vllm_at_full_vocab(monkeypatch):
+    monkeypatch.setenv("VLLM_SMALL_TOPK_SAMPLER", "1")
+    torch = _cuda()
+    from vllm.v1.sample.ops import topk_topp_sampler as stock
+
+    from qwen_serving import sampler_routing
+
+    calls = []
+    real = sampler_routing.apply_top_k_top_p_small_k
+    monkeypatch.setattr(sampler_routing, "apply_top_k_top_p_small_k", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    mismatched = {}
+    # vLLM's sort-based rule (its path below 8 rows; from 8 rows up it switches to a Triton top-k)
+    for rows in (1, 5, 12):
+        logits = (torch.randn(rows, VOCAB, device="cuda", generator=gen) * 3).bfloat16().float()
+        k = torch.randint(1, 65, (rows,), device="cuda", generator=gen)
+        p = torch.rand(rows, device="cuda", generator=gen) * 0.9 + 0.05
+        for pp in (p, None):
+            want = stock.apply_top_k_top_p_pytorch(logits.clone(), k, pp).isinf()
+            got = stock.apply_top_k_top_p(logits.clone(), k, pp, int(k.max())).isinf()
+            mismatched[f"rows={rows} top_p={pp is not None}"] = int((got != want).any(dim=1).sum())
+    _record["sampler_rows_with_other_masks"] = mismatched
+    _save()
+    assert len(calls) == 6
+    assert not any(mismatched.values()), mismatched
+
+
+def _flash_impl(fa, enabled: bool, monkeypatch):
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    monkeypatch.setenv("VLLM_SPEC_DECODE_ATTN", "1" if enabled else "0")
+    config = VllmConfig()
+    config.scheduler_config.max_num_seqs = 8
+    with set_current_vllm_config(config):
+        return fa.FlashAttentionImpl(num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HKV, alibi_slopes=None,
+                                     sliding_window=None, kv_cache_dtype="auto")
+
+
+@pytest.mark.parametrize("fa_version", [2, 3])
+def test_verify_attention_matches_flash_attention(fa_version, monkeypatch):
+    torch = _cuda()
+    from vllm.v1.attention.backends import flash_attn as fa
+
+    from qwen_serving import attn_routing
+
+    page, q_len, seq_lens = 16, 5, [16384, 9000, 1500, 5]
+    gen = torch.Generator(device="cuda").manual_seed(fa_version)
+    pages = [-(-s // page) for s in seq_lens]
+    kv = torch.randn(sum(pages) + 4, page, HKV, 2 * D, device="cuda", generator=gen).bfloat16()
+    perm = torch.randperm(kv.shape[0], device="cuda", generator=gen).int()
+    block_table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device="cuda")
+    used = 0
+    for b, n in enumerate(pages):
+        block_table[b, :n] = perm[used : used + n]
+        used += n
+    qsl = torch.arange(0, q_len * len(seq_lens) + 1, q_len, dtype=torch.int32, device="cuda")
+    md = fa.FlashAttentionMetadata(
+        num_actual_tokens=int(qsl[-1]), max_query_len=q_len, query_start_loc=qsl, max_seq_len=max(seq_lens),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), block_table=block_table,
+        slot_mapping=None, use_cascade=False, common_prefix_len=0, cu_prefix_query_lens=None, prefix_kv_lens=None,
+        suffix_kv_lens=None)
+    q = torch.randn(int(qsl[-1]), HQ, D, device="cuda", generator=gen).bfloat16()
+    ones = torch.ones(1, device="cuda")
+    layer = SimpleNamespace(_q_scale=ones, _k_scale=ones, _v_scale=ones)
+    outputs = {}
+    routed = []
+    decide = attn_routing.takes_verify_path
+    monkeypatch.setattr(attn_routing, "takes_verify_path", lambda *a: routed.append(decide(*a)) or routed[-1])
+    for enabled in (True, False):
+        impl = _flash_impl(fa, enabled, monkeypatch)
+        impl.vllm_flash_attn_version = fa_version
+        out = torch.empty_like(q)
+        impl.forward(layer, q, None, None, kv.transpose(1, 2), md, out)
+        outputs[enabled] = out.float()
+    assert routed == [True]
+    diff = (outputs[True] - outputs[False]).abs().max().item()
+    cos = torch.nn.functional.cosine_similarity(outputs[True].flatten(), outputs[False].flatten(), dim=0).item()
+    _record.setdefault("verify_vs_flash_attention", {})[f"fa{fa_version}"] = {"max_abs": diff, "cos": cos}
+    _save()
+    assert diff <= 1e-2 and cos >= 0.9999
+
+
+@pytest.fixture(scope="module")
+def mtp_engines() -> dict[str, dict]:
+    _cuda()
+    work = WORK / "engine-hooks"
+    work.mkdir(parents=True, exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    model = Path(os.environ.get("QS_GPU_TINY_CKPT", work / "tiny"))
+    if not (model / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "qwen_serving.synth", "--size", "tiny", "--out", str(model),
+                        "--seed", "0", "--force"], cwd=REPO, env=_env(), check=True, timeout=600)
+    procs = {}
+    for flag in ("1", "0"):
+        out = work / f"mtp-spec-attn-{flag}.json"
+        out.unlink(missing_ok=True)
+        log = open(RESULTS / f"engine-hooks-spec-attn-{flag}.log", "w")  # closed once the engine exits
+        procs[flag] = (subprocess.Popen([sys.executable, str(CHILD), str(model), str(out), flag], cwd=REPO,
+                                        env=_env(), stdout=log, stderr=subprocess.STDOUT), out, log)
+    deadline = time.monotonic() + ENGINE_TIMEOUT_S
+    runs = {}
+    for flag, (proc, out, log) in procs.items():
+        try:
+            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timeout"
+        log.close()
+        text = Path(log.name).read_text(errors="replace")
+        runs[flag] = json.loads(out.read_text()) if out.exists() else {}
+        runs[flag].update(rc=rc, log_tail=text[-3000:] if rc != 0 else "")
+    return runs
+
+
+def test_mtp_greedy_same_with_verify_kernel(mtp_engines):
+    on, off = mtp_engines["1"], mtp_engines["0"]
+    for run in (on, off):
+        assert run.get("rc") == 0, f"engine failed (rc {run.get('rc')}):\n{run.get('log_tail')}"
+    traces = {flag: [lib.GreedyTrace(**t) for t in run["traces"]] for flag, run in mtp_engines.items()}
+    comparison = lib.compare_greedy(traces["1"], traces["0"])
+    _record["mtp_greedy_spec_attn_on_vs_off"] = {
+        **comparison.summary(), "routed_on": on["routed"], "routed_off": off["routed"],
+        "start_s": {"on": on["start_s"], "off": off["start_s"]}}
+    _save()
+    assert on["routed"]["verify"] > 0, "no verify batch reached the kernel"
+    assert off["routed"]["verify"] == 0
+    assert not comparison.unexplained, [d.reason for d in comparison.unexplained]

@@ -1,0 +1,166 @@
+"""patches/spec-decode-attn.patch: verify batches on the FlashAttention backend go to kernels.spec_attn.
+
+The routing rules on their own, then the patched FlashAttentionImpl itself on CPU (kernel interpreted by Triton):
+its verify batches must equal the kernel's torch reference over the same paged cache, and everything else must
+reach flash_attn_varlen_func (absent on CPU: a recording stand-in computes the same reference).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_kernel_spec_attn import make_paged
+
+from qwen_serving import attn_routing
+from qwen_serving.kernels.spec_attn import SpecAttention, spec_attention_reference
+
+HQ, HKV, D, PAGE = 12, 2, 32, 16
+
+
+def impl_like(**overrides):
+    fields = dict(attn_type="decoder", alibi_slopes=None, sliding_window=(-1, -1), logits_soft_cap=0, sinks=None,
+                  dcp_world_size=1, head_size=256, kv_cache_dtype="auto", num_heads=24, num_kv_heads=4)
+    return SimpleNamespace(**{**fields, **overrides})
+
+
+def test_layer_refusals():
+    assert attn_routing.layer_refusal(impl_like()) is None
+    assert attn_routing.layer_refusal(impl_like(kv_cache_dtype="fp8")) is None
+    refused = {
+        "encoder_only": dict(attn_type="encoder_only"),
+        "ALiBi": dict(alibi_slopes=torch.ones(24)),
+        "window": dict(sliding_window=(511, 0)),
+        "soft cap": dict(logits_soft_cap=30.0),
+        "sinks": dict(sinks=torch.zeros(24)),
+        "context parallel": dict(dcp_world_size=2),
+        "head size 80": dict(head_size=80),
+        "head size 8": dict(head_size=8),
+        "int8_per_token_head": dict(kv_cache_dtype="int8_per_token_head"),
+        "fp8_e5m2": dict(kv_cache_dtype="fp8_e5m2"),
+    }
+    for why, fields in refused.items():
+        assert attn_routing.layer_refusal(impl_like(**fields)) is not None, why
+
+
+def test_scratch_geometry():
+    # 27B single-user MTP-4: 8 requests x 5 query tokens x 6 heads per KV head; one wave of 82 SMs = 21 splits
+    mtp = attn_routing.verify_geometry(impl_like(), max_num_seqs=8, num_speculative_tokens=4, num_sms=82)
+    assert (mtp.max_batch, mtp.max_query_len, mtp.max_splits) == (8, 5, 21)
+    assert mtp.scratch_bytes() == 8 * 4 * 21 * 30 * 257 * 4
+    # 16-token verify blocks for 16 requests would need 130 MB at 21 splits: the splits shrink to the budget
+    long = attn_routing.verify_geometry(impl_like(), max_num_seqs=16, num_speculative_tokens=15, num_sms=82)
+    assert long.max_query_len == 16 and long.max_splits == 10
+    assert long.scratch_bytes() <= attn_routing.SCRATCH_BUDGET_BYTES
+    assert attn_routing.verify_geometry(impl_like(), 8, None, 132).max_query_len == attn_routing.MAX_VERIFY_QUERY
+    huge = attn_routing.verify_geometry(impl_like(), max_num_seqs=1024, num_speculative_tokens=15, num_sms=132)
+    assert huge.max_splits == 1  # never below one split, whatever the budget says
+
+
+def metadata_for(q_lens, seq_lens, **overrides):
+    q, kc, vc, bt, sl, qsl = make_paged(seq_lens, q_lens, HQ, HKV, D, PAGE)
+    fields = dict(num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), query_start_loc=qsl,
+                  max_seq_len=max(seq_lens), seq_lens=sl, block_table=bt, use_cascade=False, causal=True,
+                  mm_prefix_query_range_tensor=None, rswa_prefix_lens=None)
+    return SimpleNamespace(**{**fields, **overrides}), q, kc, vc
+
+
+def test_verify_batches_only():
+    attn = SpecAttention(HQ, HKV, D, max_batch=4, max_query_len=8, max_splits=4, device="cpu")
+    md, q, kc, vc = metadata_for([5, 5, 5], [40, 70, 5])
+    assert attn_routing.takes_verify_path(attn, md, q, kc)
+    assert attn_routing.takes_verify_path(attn, md, q, kc.to(torch.float8_e4m3fn))
+    refused = {
+        "plain decode": metadata_for([1, 1], [40, 70]),
+        "drafts for some requests only": metadata_for([5, 1, 5], [40, 70, 9]),
+        "a prefill chunk": metadata_for([5, 40], [40, 70]),
+        "longer than the scratch": metadata_for([9, 9], [40, 70]),
+        "more requests than the scratch": metadata_for([2] * 5, [40] * 5),
+        "cascade": metadata_for([5, 5], [40, 70], use_cascade=True),
+        "per-request causality": metadata_for([5, 5], [40, 70], causal=torch.ones(2, dtype=torch.int32)),
+        "non-causal": metadata_for([5, 5], [40, 70], causal=False),
+        "multimodal prefix": metadata_for([5, 5], [40, 70], mm_prefix_query_range_tensor=torch.zeros(10, 2)),
+    }
+    for why, (md_, q_, kc_, _) in refused.items():
+        assert not attn_routing.takes_verify_path(attn, md_, q_, kc_), why
+    assert not attn_routing.takes_verify_path(attn, md, q.to(torch.float8_e4m3fn), kc.to(torch.float8_e4m3fn))
+    assert not attn_routing.takes_verify_path(attn, md, q, kc.half())
+
+
+def test_run_verify_fp8_cache_with_layer_scales():
+    attn = SpecAttention(HQ, HKV, D, max_batch=2, max_query_len=4, max_splits=2, device="cpu")
+    md, q, kc, vc = metadata_for([4, 4], [33, 50])
+    k8, v8 = (kc.float() * 4).to(torch.float8_e4m3fn), (vc.float() * 2).to(torch.float8_e4m3fn)
+    layer = SimpleNamespace(_k_scale=torch.tensor([0.25]), _v_scale=torch.tensor([0.5]))
+    output = torch.full((md.num_actual_tokens + 3, HQ, D), 7.0, dtype=q.dtype)  # rows past the batch: padding
+    padded_q = torch.cat([q, torch.zeros(3, HQ, D, dtype=q.dtype)])
+    attn_routing.run_verify(attn, layer, padded_q, k8, v8, md, output, 0.2)
+    want = spec_attention_reference(q, k8, v8, md.block_table, md.seq_lens, md.query_start_loc, 0.2,
+                                    k_scale=layer._k_scale, v_scale=layer._v_scale)
+    assert (output[: md.num_actual_tokens].float() - want).abs().max() <= 3e-2
+    assert (output[md.num_actual_tokens :] == 7.0).all()
+
+
+@pytest.fixture
+def flash_attn(monkeypatch):
+    """The patched backend module, with a recording flash_attn_varlen_func (no FlashAttention on CPU)."""
+    fa = pytest.importorskip("vllm.v1.attention.backends.flash_attn")
+    calls = []
+
+    def varlen(q, k, v, out, cu_seqlens_q, seqused_k, softmax_scale, block_table, **kwargs):
+        calls.append(kwargs["max_seqlen_q"])
+        out.copy_(spec_attention_reference(q, k, v, block_table, seqused_k, cu_seqlens_q, softmax_scale))
+
+    monkeypatch.setattr(fa, "flash_attn_varlen_func", varlen, raising=False)
+    attn_routing._shared.clear()
+    yield fa, calls
+    attn_routing._shared.clear()
+
+
+def build_impl(fa, monkeypatch, enabled: bool):
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    monkeypatch.setenv("VLLM_SPEC_DECODE_ATTN", "1" if enabled else "0")
+    config = VllmConfig()
+    config.scheduler_config.max_num_seqs = 4
+    with set_current_vllm_config(config):
+        impl = fa.FlashAttentionImpl(num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HKV, alibi_slopes=None,
+                                     sliding_window=None, kv_cache_dtype="auto")
+    impl.vllm_flash_attn_version = 2  # not detected on CPU; the verify branch never reads it
+    return impl
+
+
+def forward(fa, impl, q_lens, seq_lens):
+    q, kc, vc, bt, sl, qsl = make_paged(seq_lens, q_lens, HQ, HKV, D, PAGE)
+    kv_cache = kc.as_strided(kc.shape[:3] + (2 * D,), kc.stride())  # physical (blocks, page, Hkv, 2D): K | V
+    kv_cache = kv_cache.transpose(1, 2)  # the logical (blocks, Hkv, page, 2D) vLLM passes in
+    md = fa.FlashAttentionMetadata(num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), query_start_loc=qsl,
+                                   max_seq_len=max(seq_lens), seq_lens=sl, block_table=bt, slot_mapping=None,
+                                   use_cascade=False, common_prefix_len=0, cu_prefix_query_lens=None,
+                                   prefix_kv_lens=None, suffix_kv_lens=None)
+    layer = SimpleNamespace(_q_scale=torch.ones(1), _k_scale=torch.ones(1), _v_scale=torch.ones(1))
+    output = torch.empty_like(q)
+    impl.forward(layer, q, None, None, kv_cache, md, output)
+    want = spec_attention_reference(q, kc, vc, bt, sl, qsl, D**-0.5)
+    return (output.float() - want).abs().max().item()
+
+
+def test_flash_attention_impl_routes_verify_batches(flash_attn, monkeypatch):
+    fa, varlen_calls = flash_attn
+    impl = build_impl(fa, monkeypatch, enabled=True)
+    assert impl.verify_attention is not None
+    assert impl.verify_attention.max_batch == 4  # sized from the scheduler's max_num_seqs
+    assert build_impl(fa, monkeypatch, enabled=True).verify_attention is impl.verify_attention  # one scratch
+    assert forward(fa, impl, [5, 5, 5], [37, 100, 5]) <= 2e-2
+    assert varlen_calls == []
+    assert forward(fa, impl, [5, 1, 5], [37, 100, 9]) <= 2e-2  # not uniform: FlashAttention
+    assert varlen_calls == [5]
+
+
+def test_flash_attention_impl_switched_off(flash_attn, monkeypatch):
+    fa, varlen_calls = flash_attn
+    impl = build_impl(fa, monkeypatch, enabled=False)
+    assert impl.verify_attention is None
+    assert forward(fa, impl, [3, 3], [20, 40]) <= 2e-2
+    assert varlen_calls == [3]

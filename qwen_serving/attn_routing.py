@@ -10,6 +10,13 @@ FlashAttention. Decided from host values only: no device sync in the forward pas
 
 The kernel's scratch (split partials) is allocated once, when the first layer is built, so CUDA graphs capture
 fixed addresses and vLLM's memory profiling counts it; layers of one geometry share it (they run one at a time).
+
+Prefill (patches/prefill-int8-attn.patch, ``VLLM_PREFILL_INT8_ATTN=1``): a prefill chunk of a single request on
+a head_dim-256 layer goes to qwen_serving.kernels.prefill_int8_attn (int8 Q.K^T), with the request's context
+gathered from the paged cache into contiguous K/V. The context length is the metadata's host ``max_seq_len``:
+for one request in prefill that is its exact length (computed + scheduled prompt tokens; prompt tokens are never
+rejected, unlike drafts). Anything else stays on FlashAttention, and so does a chunk under CUDA-graph capture
+(the kernel allocates its int8 copies per call).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .kernels.prefill_int8_attn import prefill_int8_attention
 from .kernels.spec_attn import FP8_DTYPES, SpecAttention
 
 MIN_VERIFY_QUERY = 2  # one query token is plain decode, which FlashAttention already splits
@@ -27,6 +35,8 @@ MAX_SPLITS = 32
 SCRATCH_BUDGET_BYTES = 64 << 20  # per layer geometry; the splits shrink to fit
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 VERIFY_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
+PREFILL_HEAD_DIM = 256  # the serving geometry the int8 kernel is tuned for
+MIN_PREFILL_QUERY = MAX_VERIFY_QUERY + 1
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,15 @@ def layer_refusal(impl: Any) -> str | None:
         "query heads not a multiple of KV heads": impl.num_heads % impl.num_kv_heads != 0,
     }
     return next((why for why, refused in checks.items() if refused), None)
+
+
+def prefill_layer_refusal(impl: Any) -> str | None:
+    """Why a FlashAttentionImpl can never take the int8 prefill kernel (None: it can)."""
+    if impl.head_size != PREFILL_HEAD_DIM:
+        return f"head size {impl.head_size} (the int8 prefill kernel is for {PREFILL_HEAD_DIM})"
+    if impl.kv_cache_dtype not in ("auto", "bfloat16", "float16"):
+        return f"KV cache dtype {impl.kv_cache_dtype} (the kernel reads bf16/fp16 K/V)"
+    return layer_refusal(impl)
 
 
 def verify_geometry(impl: Any, max_num_seqs: int, num_speculative_tokens: int | None, num_sms: int) -> VerifyGeometry:
@@ -99,9 +118,7 @@ def verify_attention_for(impl: Any, vllm_config: Any) -> SpecAttention | None:
 
 def takes_verify_path(spec_attn: SpecAttention, metadata: Any, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether this batch is a verify batch the kernel takes (FlashAttentionMetadata, host values only)."""
-    if metadata.use_cascade or metadata.causal is not True:
-        return False
-    if metadata.mm_prefix_query_range_tensor is not None or metadata.rswa_prefix_lens is not None:
+    if not _plain_causal(metadata):
         return False
     query_len = metadata.max_query_len
     num_reqs = metadata.query_start_loc.shape[0] - 1
@@ -112,6 +129,40 @@ def takes_verify_path(spec_attn: SpecAttention, metadata: Any, query: torch.Tens
     if query.dtype not in HALF_DTYPES:
         return False  # e.g. FP8 queries (FlashAttention 3 quantizes them with an fp8 cache)
     return key_cache.dtype == query.dtype or key_cache.dtype in FP8_DTYPES
+
+
+def _plain_causal(metadata: Any) -> bool:
+    return (not metadata.use_cascade and metadata.causal is True and metadata.mm_prefix_query_range_tensor is None
+            and metadata.rswa_prefix_lens is None)
+
+
+def takes_prefill_path(metadata: Any, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether this batch is one request's prefill chunk the int8 kernel takes (host values only)."""
+    if not _plain_causal(metadata) or metadata.query_start_loc.shape[0] != 2:
+        return False  # exactly one request
+    if not MIN_PREFILL_QUERY <= metadata.max_query_len <= metadata.max_seq_len:
+        return False  # decode and verify steps stay on FlashAttention
+    if query.dtype not in HALF_DTYPES or key_cache.dtype != query.dtype:
+        return False
+    return not (query.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def run_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: Any,
+    output: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """The int8 prefill kernel on FlashAttention's arguments: the request's pages (this chunk's K/V already
+    written) gathered into contiguous [context, kv_heads, head_dim] K and V; writes the chunk's output rows."""
+    n_q, n_k = metadata.max_query_len, metadata.max_seq_len
+    page = key_cache.shape[1]
+    blocks = metadata.block_table[0, : -(-n_k // page)].long()
+    keys = key_cache[blocks].flatten(0, 1)[:n_k]
+    values = value_cache[blocks].flatten(0, 1)[:n_k]
+    return prefill_int8_attention(query[:n_q], keys, values, softmax_scale, out=output[:n_q])
 
 
 def run_verify(

@@ -1,11 +1,13 @@
-"""Engine hooks on a GPU: sampler-small-topk.patch and spec-decode-attn.patch (and prefill-int8-attn.patch).
+"""Engine hooks on a GPU: sampler-small-topk.patch, spec-decode-attn.patch, prefill-int8-attn.patch.
 
 - the patched apply_top_k_top_p at the real 248k vocabulary gives vLLM's own masks;
 - the patched FlashAttentionImpl at the 27B attention geometry (24 query / 4 KV heads, head_dim 256): verify
-  batches through the kernel agree with FlashAttention 2 and 3 on the same paged cache;
-- two offline MTP (k=4) engines on the tiny checkpoint, VLLM_SPEC_DECODE_ATTN=1 and 0, started together
+  batches through the split-KV kernel and a 2048-token prefill chunk after 12k of context through the int8
+  kernel agree with FlashAttention 2 and 3 on the same paged cache;
+- two offline MTP (k=4) engines on the tiny checkpoint, both hooks on and both off, started together
   (tests/gpu/engine_hooks_child.py): greedy outputs token-identical or differing only at measured near-ties
-  (smoke_lib.compare_greedy), and the first one really ran verify batches through the kernel.
+  (smoke_lib.compare_greedy), and the first one really took the kernels (verify batches; the chunks of a
+  prompt prefilled alone).
 Numbers go to $QS_GPU_RESULTS/engine-hooks-h200.json.
 """
 
@@ -137,6 +139,47 @@ def test_verify_attention_matches_flash_attention(fa_version, monkeypatch):
     assert diff <= 1e-2 and cos >= 0.9999
 
 
+@pytest.mark.parametrize("fa_version", [2, 3])
+def test_prefill_int8_chunk_matches_flash_attention(fa_version, monkeypatch):
+    # a 2048-token chunk after 12k tokens of context, over 528-token pages (a hybrid model's attention page)
+    torch = _cuda()
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.v1.attention.backends import flash_attn as fa
+
+    page, n_q, n_k = 528, 2048, 12288 + 2048
+    gen = torch.Generator(device="cuda").manual_seed(10 + fa_version)
+    pages = -(-n_k // page)
+    kv = torch.randn(pages + 4, page, HKV, 2 * D, device="cuda", generator=gen).bfloat16()
+    block_table = torch.randperm(pages + 4, device="cuda", generator=gen).int()[None, :]
+    md = fa.FlashAttentionMetadata(
+        num_actual_tokens=n_q, max_query_len=n_q, query_start_loc=torch.tensor([0, n_q], dtype=torch.int32,
+                                                                                device="cuda"),
+        max_seq_len=n_k, seq_lens=torch.tensor([n_k], dtype=torch.int32, device="cuda"), block_table=block_table,
+        slot_mapping=None, use_cascade=False, common_prefix_len=0, cu_prefix_query_lens=None, prefix_kv_lens=None,
+        suffix_kv_lens=None)
+    q = torch.randn(n_q, HQ, D, device="cuda", generator=gen).bfloat16()
+    ones = torch.ones(1, device="cuda")
+    layer = SimpleNamespace(_q_scale=ones, _k_scale=ones, _v_scale=ones)
+    outputs = {}
+    for enabled in (True, False):
+        monkeypatch.setenv("VLLM_PREFILL_INT8_ATTN", "1" if enabled else "0")
+        with set_current_vllm_config(VllmConfig()):
+            impl = fa.FlashAttentionImpl(num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HKV,
+                                         alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+        assert impl.prefill_int8 is enabled
+        impl.vllm_flash_attn_version = fa_version
+        out = torch.empty_like(q)
+        impl.forward(layer, q, None, None, kv.transpose(1, 2), md, out)
+        outputs[enabled] = out.float()
+    got, want = outputs[True], outputs[False]
+    cos = torch.nn.functional.cosine_similarity(got.transpose(0, 1).flatten(1), want.transpose(0, 1).flatten(1), dim=1)
+    diff = (got - want).abs().max().item()
+    _record.setdefault("prefill_int8_vs_flash_attention", {})[f"fa{fa_version}"] = {
+        "min_head_cos": cos.min().item(), "max_abs": diff}
+    _save()
+    assert cos.min().item() >= 0.9999 and diff <= 0.05
+
+
 @pytest.fixture(scope="module")
 def mtp_engines() -> dict[str, dict]:
     _cuda()
@@ -149,9 +192,9 @@ def mtp_engines() -> dict[str, dict]:
                         "--seed", "0", "--force"], cwd=REPO, env=_env(), check=True, timeout=600)
     procs = {}
     for flag in ("1", "0"):
-        out = work / f"mtp-spec-attn-{flag}.json"
+        out = work / f"mtp-hooks-{flag}.json"
         out.unlink(missing_ok=True)
-        log = open(RESULTS / f"engine-hooks-spec-attn-{flag}.log", "w")  # closed once the engine exits
+        log = open(RESULTS / f"engine-hooks-{flag}.log", "w")  # closed once the engine exits
         procs[flag] = (subprocess.Popen([sys.executable, str(CHILD), str(model), str(out), flag], cwd=REPO,
                                         env=_env(), stdout=log, stderr=subprocess.STDOUT), out, log)
     deadline = time.monotonic() + ENGINE_TIMEOUT_S
@@ -170,15 +213,30 @@ def mtp_engines() -> dict[str, dict]:
 
 
 def test_mtp_greedy_same_with_verify_kernel(mtp_engines):
-    on, off = mtp_engines["1"], mtp_engines["0"]
-    for run in (on, off):
-        assert run.get("rc") == 0, f"engine failed (rc {run.get('rc')}):\n{run.get('log_tail')}"
-    traces = {flag: [lib.GreedyTrace(**t) for t in run["traces"]] for flag, run in mtp_engines.items()}
-    comparison = lib.compare_greedy(traces["1"], traces["0"])
-    _record["mtp_greedy_spec_attn_on_vs_off"] = {
-        **comparison.summary(), "routed_on": on["routed"], "routed_off": off["routed"],
+    on, off = _ok(mtp_engines["1"]), _ok(mtp_engines["0"])
+    comparison = lib.compare_greedy(*(_traces(run, "batch") for run in (on, off)))
+    _record["mtp_greedy_hooks_on_vs_off"] = {
+        **comparison.summary(), "routed_on": on["routed"]["batch"], "routed_off": off["routed"]["batch"],
         "start_s": {"on": on["start_s"], "off": off["start_s"]}}
     _save()
-    assert on["routed"]["verify"] > 0, "no verify batch reached the kernel"
-    assert off["routed"]["verify"] == 0
+    assert on["routed"]["batch"]["verify"] > 0, "no verify batch reached the kernel"
+    assert off["routed"]["batch"] == {"verify": 0, "prefill": 0}
     assert not comparison.unexplained, [d.reason for d in comparison.unexplained]
+
+
+def test_single_prompt_prefill_through_int8_kernel(mtp_engines):
+    on, off = _ok(mtp_engines["1"]), _ok(mtp_engines["0"])
+    comparison = lib.compare_greedy(*(_traces(run, "single") for run in (on, off)))
+    _record["single_prompt_hooks_on_vs_off"] = {**comparison.summary(), "routed_on": on["routed"]["single"]}
+    _save()
+    assert on["routed"]["single"]["prefill"] >= 3, "the long prompt's chunks did not reach the int8 kernel"
+    assert not comparison.unexplained, [d.reason for d in comparison.unexplained]
+
+
+def _ok(run: dict) -> dict:
+    assert run.get("rc") == 0, f"engine failed (rc {run.get('rc')}):\n{run.get('log_tail')}"
+    return run
+
+
+def _traces(run: dict, name: str) -> list:
+    return [lib.GreedyTrace(**t) for t in run["traces"][name]]

@@ -62,6 +62,12 @@ if [ -f "$SITE/.qs-installed" ]; then
 else
   install_stack
 fi
+# runtime deps the staged wheel list lacks (tests/gpu/stage-extra.sh), carried as .whl/extra
+if compgen -G ".whl/extra/*.whl" >/dev/null && [ ! -f "$SITE/.qs-extra" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/extra/*.whl \
+    || finish 11 "installing .whl/extra failed"
+  touch "$SITE/.qs-extra"
+fi
 export PYTHONPATH="$SITE:$ROOT" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
 

@@ -151,7 +151,7 @@ def child(model: str, out: str, speculate: bool) -> None:
         speculative_config={"method": "mtp", "num_speculative_tokens": 2} if speculate else None,
     )
     modules = llm.apply_model(describe)[0]
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=lib.TIE_TOP_K, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in _prompts()], params)
     traces = []
     for output in outputs:

@@ -139,7 +139,7 @@ def test_prefix_cache_hits_on_repeated_long_prompt(server_a, smoke_record):
         "temperature": 0,
         "ignore_eos": True,
         "return_token_ids": True,
-        "logprobs": 2,  # raw logits of the top two: a difference must be a measured near-tie
+        "logprobs": lib.TIE_TOP_K,  # raw logits of the top tokens: a difference must be a measured near-tie
         "return_tokens_as_token_ids": True,
     }
     hits_before = read_counter(server_a, "vllm:prefix_cache_hits")
@@ -183,7 +183,7 @@ def greedy_traces(server: lib.ServerProcess) -> list[lib.GreedyTrace]:
             "max_tokens": GREEDY_TOKENS,
             "temperature": 0,
             "ignore_eos": True,
-            "logprobs": 2,  # raw logits of the top two (the servers run --logprobs-mode raw_logits)
+            "logprobs": lib.TIE_TOP_K,  # raw logits of the top tokens (the servers run --logprobs-mode raw_logits)
             "return_tokens_as_token_ids": True,
             "return_token_ids": True,
         },

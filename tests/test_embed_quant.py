@@ -70,14 +70,10 @@ def vllm_env(tmp_path_factory):
         assert Path(vllm.__file__).resolve().parent == Path(patched).resolve(), (
             f"vllm imported from {vllm.__file__}, expected the patched copy {patched}"
         )
-    import vllm.model_executor.models.registry as registry
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
-    with pytest.MonkeyPatch.context() as mp, torch.library._scoped_library("_C", "FRAGMENT") as c_ops:
-        # vLLM inspects model classes in a fresh interpreter that lacks cpu_compat's shims; on CPU
-        # there is no CUDA state to protect, so inspect in-process.
-        mp.setattr(registry, "_run_in_subprocess", lambda fn: fn())
+    with torch.library._scoped_library("_C", "FRAGMENT") as c_ops:
         # SiluAndMul binds torch.ops._C.silu_and_mul at construction; CPU wheels-without-_C lack the
         # schema. Construction only needs it to exist: nothing here runs an MLP.
         if not hasattr(torch.ops._C, "silu_and_mul"):

@@ -67,9 +67,6 @@ def parse_serve(argv: list[str]):
 
 
 def test_server_command_lines_resolve_to_the_intended_engine_configs(checkpoint_configs):
-    from qwen_serving import cpu_compat
-
-    cpu_compat.inspect_models_in_process()
     tiny, shape = checkpoint_configs
     specs = {**lib.tiny_server_specs(tiny), "c": lib.shape_server_spec(shape)}
     argvs = {key: lib.serve_argv(spec, 8123 + i) for i, (key, spec) in enumerate(specs.items())}

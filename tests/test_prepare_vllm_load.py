@@ -30,8 +30,7 @@ _LOAD = textwrap.dedent(
     from qwen_serving import cpu_compat
     cpu_compat.install()
     import torch
-    import vllm.model_executor.models.registry as registry
-    registry._run_in_subprocess = lambda fn: fn()  # inspect model classes here, with the CPU shims
+    cpu_compat.inspect_models_in_process()
     from safetensors import safe_open
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel

@@ -210,15 +210,7 @@ def test_ignore_list_names_every_unquantized_linear(config, tensors, tiny_plan):
     assert len([n for n in ignore if n.startswith("model.visual.")]) == 4 * depth + 2
 
 
-@pytest.fixture
-def in_process_model_inspection(monkeypatch):
-    """vLLM inspects model classes in a fresh interpreter, which lacks the CPU shims; do it here."""
-    import vllm.model_executor.models.registry as registry
-
-    monkeypatch.setattr(registry, "_run_in_subprocess", lambda fn: fn())
-
-
-def test_vllm_engine_config_accepts_tiny_with_mtp(tiny, in_process_model_inspection):
+def test_vllm_engine_config_accepts_tiny_with_mtp(tiny):
     from vllm.engine.arg_utils import EngineArgs
 
     vllm_config = EngineArgs(
@@ -253,8 +245,7 @@ _LOAD_CHECK = textwrap.dedent(
     from qwen_serving import cpu_compat
     cpu_compat.install()
     import torch
-    import vllm.model_executor.models.registry as registry
-    registry._run_in_subprocess = lambda fn: fn()
+    cpu_compat.inspect_models_in_process()
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs

@@ -5,7 +5,6 @@
 Safe to interrupt and re-run; a finished step re-run prints one line. See prepare/README.md.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -13,13 +12,5 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qwen_serving.quant import steps  # noqa: E402
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model_dir", help="checkpoint directory (changed in place, atomically)")
-    args = parser.parse_args()
-    return steps.run(args.model_dir, "quant_mtp")
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(steps.main("quant_mtp", __doc__))

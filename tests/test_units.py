@@ -20,9 +20,14 @@ MODES = {"batch": "batch", "single": "single-user"}
 def test_launcher_is_short_and_only_calls_the_plan(folder):
     text = (REPO / folder / "start_qwen.sh").read_text()
     assert len(text.splitlines()) <= 30
+    mode = {"batch": "batch", "single-user": "single"}[folder]
     code = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-    assert all("vllm serve" not in line for line in code)  # the command comes from the plan only
-    assert code[-1].startswith("exec venv/bin/python -m qwen_serving.plan")
+    assert code == [f'exec bash "$(dirname "${{BASH_SOURCE[0]}}")/../qwen_serving/start_server.sh" {mode} "$@"']
+    shared = (REPO / "qwen_serving" / "start_server.sh").read_text()
+    assert len(shared.splitlines()) <= 30
+    body = [line for line in shared.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert all("vllm serve" not in line for line in body)  # the command comes from the plan only
+    assert body[-1].startswith('exec venv/bin/python -m qwen_serving.plan "$MODE" run')
 
 
 def fake_checkout(tmp_path: Path) -> Path:

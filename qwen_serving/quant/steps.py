@@ -6,6 +6,7 @@ raises CheckpointError for input it must not touch. The prepare/ scripts call `r
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 
@@ -196,3 +197,10 @@ def quant_problems(model: ModelDir) -> list[str]:
 def run(model_path: str, step: str) -> int:
     builders = {"quant_lm_head": build_lm_head, "quant_embed": build_embed, "quant_mtp": build_mtp}
     return run_step(model_path, step, builders[step])
+
+
+def main(step: str, doc: str, argv: list[str] | None = None) -> int:
+    """The whole command line of a one-step prepare script (prepare/quant_{lm_head,embed,mtp}.py)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("model_dir", help="checkpoint directory (changed in place, atomically)")
+    return run(parser.parse_args(argv).model_dir, step)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The body of batch/start_qwen.sh and single-user/start_qwen.sh: bash qwen_serving/start_server.sh MODE [ARG]
+# First start runs what is missing (install.sh, download, prepare steps; each resumes where it stopped and
+# is a no-op once done), then execs the command the serve plan builds. Everything else is the plan's.
+set -euo pipefail
+MODE="$1"; shift
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=venv/bin/python
+[ -x "$PY" ] || PY=python3  # the plan is standard library only: it runs before install.sh
+case "${1:-}" in
+  --dry-run | explain | --missing) exec "$PY" -m qwen_serving.plan "$MODE" "$@" ;;
+  "") ;;
+  *) echo "usage: start_qwen.sh [--dry-run | explain | --missing]" >&2; exit 2 ;;
+esac
+steps="$("$PY" -m qwen_serving.plan "$MODE" --missing)"  # a refused configuration stops here
+total=$(grep -c . <<<"$steps" || true)
+n=0
+while IFS= read -r step; do
+  [ -n "$step" ] || continue
+  n=$((n + 1))
+  echo "== first start, step $n/$total: $step"
+  bash -c "$step"
+done <<<"$steps"
+exec venv/bin/python -m qwen_serving.plan "$MODE" run

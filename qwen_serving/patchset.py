@@ -9,6 +9,7 @@ only written once the whole series has gone through, and is left byte-identical 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import importlib.util
 import os
@@ -246,47 +247,51 @@ def _write_back(vllm_dir: Path, wanted: dict[str, bytes | None]) -> list[str]:
     return changed
 
 
-def evaluate(vllm_dir: Path, patches: list[Patch]) -> SeriesState:
+@contextlib.contextmanager
+def _evaluated(vllm_dir: Path, patches: list[Patch]):
+    """Stage the series' files, evaluate every patch; yields (stage fully applied, states, base snapshot)."""
     stage = Stage(vllm_dir, _all_files(patches))
     try:
-        return _evaluate(stage, patches)[0]
+        result, base = _evaluate(stage, patches)
+        yield stage, result, base
     finally:
         stage.close()
 
 
+def _names(patches: list[Patch], result: SeriesState, state: State) -> list[str]:
+    return [p.name for p in patches if result.states[p.name] is state]
+
+
+def evaluate(vllm_dir: Path, patches: list[Patch]) -> SeriesState:
+    with _evaluated(vllm_dir, patches) as (_, result, _):
+        return result
+
+
 def apply(vllm_dir: Path, patches: list[Patch]) -> str:
-    stage = Stage(vllm_dir, _all_files(patches))
-    try:
-        result, _ = _evaluate(stage, patches)
-        conflicts = [p.name for p in patches if result.states[p.name] is State.CONFLICTING]
+    with _evaluated(vllm_dir, patches) as (stage, result, _):
+        conflicts = _names(patches, result, State.CONFLICTING)
         if conflicts:
             details = "\n".join(f"  {name}:\n    " + result.failures[name].replace("\n", "\n    ") for name in conflicts)
             raise PatchError(f"cannot apply the series to {vllm_dir}: {len(conflicts)} patch(es) do not apply; "
                              f"nothing was changed.\n{details}")
-        if all(s is State.APPLIED for s in result.states.values()):
+        todo = _names(patches, result, State.NOT_APPLIED)
+        if not todo:
             return f"series already applied ({len(patches)} patches); nothing to do"
         changed = _write_back(vllm_dir, stage.snapshot())
-        todo = [p.name for p in patches if result.states[p.name] is State.NOT_APPLIED]
         return f"applied {len(todo)} patch(es) ({', '.join(todo)}); {len(changed)} file(s) changed in {vllm_dir}"
-    finally:
-        stage.close()
 
 
 def revert(vllm_dir: Path, patches: list[Patch]) -> str:
-    stage = Stage(vllm_dir, _all_files(patches))
-    try:
-        result, base = _evaluate(stage, patches)
-        conflicts = [p.name for p in patches if result.states[p.name] is State.CONFLICTING]
+    with _evaluated(vllm_dir, patches) as (_, result, base):
+        conflicts = _names(patches, result, State.CONFLICTING)
         if conflicts:
             raise PatchError(f"cannot revert: {', '.join(conflicts)} conflict with the tree at {vllm_dir}; "
                              "nothing was changed (reinstall vllm to get a pristine tree)")
-        applied = [p.name for p in patches if result.states[p.name] is State.APPLIED]
+        applied = _names(patches, result, State.APPLIED)
         if not applied:
             return "series not applied; nothing to revert"
         changed = _write_back(vllm_dir, base)
         return f"reverted {len(applied)} patch(es) in reverse order; {len(changed)} file(s) restored in {vllm_dir}"
-    finally:
-        stage.close()
 
 
 def format_table(patches: list[Patch]) -> str:

@@ -164,3 +164,48 @@ def test_flash_attention_impl_switched_off(flash_attn, monkeypatch):
     assert impl.verify_attention is None
     assert forward(fa, impl, [3, 3], [20, 40]) <= 2e-2
     assert varlen_calls == [3]
+
+
+def test_flash_attention_impl_at_the_tiny_engine_geometry(flash_attn, monkeypatch):
+    # The H200 MTP engine's verify steps (engine-hooks-h200.json): 6 query heads on one KV head of 256, a hybrid
+    # model's attention pages (208 tokens, each block's bytes padded to the shared mamba page), queries a view
+    # of the fused qkv rows, 4 requests x 5 tokens, 32 splits (one wave of 132 SMs) over at most 4 tiles each.
+    fa, varlen_calls = flash_attn
+    hq, hkv, d, page, q_len, seq_lens = 6, 1, 256, 208, 5, [241, 194, 235, 98]
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    monkeypatch.setenv("VLLM_SPEC_DECODE_ATTN", "1")
+    config = VllmConfig()
+    config.scheduler_config.max_num_seqs = 4
+    with set_current_vllm_config(config):
+        impl = fa.FlashAttentionImpl(num_heads=hq, head_size=d, scale=d**-0.5, num_kv_heads=hkv, alibi_slopes=None,
+                                     sliding_window=None, kv_cache_dtype="auto")
+    impl.vllm_flash_attn_version = 2  # not detected on CPU; the verify branch never reads it
+    impl.verify_attention = SpecAttention(hq, hkv, d, max_batch=4, max_query_len=q_len, max_splits=32, device="cpu")
+    impl.verify_attention._num_sms = 132
+    gen = torch.Generator().manual_seed(5)
+    pages = [-(-s // page) for s in seq_lens]
+    blocks = sum(pages) + 2
+    padded = torch.randn(blocks, hkv * page * 2 * d + 256, generator=gen).bfloat16()
+    kv_cache = padded[:, : hkv * page * 2 * d].view(blocks, hkv, page, 2 * d)  # logical (blocks, Hkv, page, 2D)
+    perm = torch.randperm(blocks, generator=gen).int()
+    block_table = torch.zeros(4, max(pages) + 3, dtype=torch.int32)
+    for b, start in enumerate(torch.tensor([0, *pages]).cumsum(0)[:-1].tolist()):
+        block_table[b, : pages[b]] = perm[start : start + pages[b]]
+    qsl = torch.arange(0, 4 * q_len + 1, q_len, dtype=torch.int32)
+    qkv = torch.randn(4 * q_len + 2, (hq + 2 * hkv) * d, generator=gen).bfloat16()  # 2 padding rows
+    query = qkv[:, : hq * d].view(-1, hq, d)
+    md = fa.FlashAttentionMetadata(num_actual_tokens=4 * q_len, max_query_len=q_len, query_start_loc=qsl,
+                                   max_seq_len=max(seq_lens), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                                   block_table=block_table, slot_mapping=None, use_cascade=False,
+                                   common_prefix_len=0, cu_prefix_query_lens=None, prefix_kv_lens=None,
+                                   suffix_kv_lens=None)
+    layer = SimpleNamespace(_q_scale=torch.ones(1), _k_scale=torch.ones(1), _v_scale=torch.ones(1))
+    output = torch.full((query.shape[0], hq, d), 7.0, dtype=torch.bfloat16)
+    impl.forward(layer, query, None, None, kv_cache, md, output)
+    assert varlen_calls == []
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(d, dim=-1)
+    want = spec_attention_reference(query[: 4 * q_len], key_cache, value_cache, block_table, md.seq_lens, qsl,
+                                    d**-0.5)
+    assert (output[: 4 * q_len].float() - want).abs().max() <= 2e-2
+    assert (output[4 * q_len :] == 7.0).all()

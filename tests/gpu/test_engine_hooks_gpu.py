@@ -4,10 +4,13 @@
 - the patched FlashAttentionImpl at the 27B attention geometry (24 query / 4 KV heads, head_dim 256): verify
   batches through the split-KV kernel and a 2048-token prefill chunk after 12k of context through the int8
   kernel agree with FlashAttention 2 and 3 on the same paged cache;
-- two offline MTP (k=4) engines on the tiny checkpoint, both hooks on and both off, started together
-  (tests/gpu/engine_hooks_child.py): greedy outputs token-identical or differing only at measured near-ties
-  (smoke_lib.compare_greedy), and the first one really took the kernels (verify batches; the chunks of a
-  prompt prefilled alone).
+- three offline engines on the tiny checkpoint, started together (tests/gpu/engine_hooks_child.py): MTP (k=4)
+  with both hooks on, MTP with both off, and no speculation (the control for the MTP engine itself). Greedy
+  outputs of hooks on vs off, and of MTP without hooks vs no speculation, token-identical or differing only at
+  measured near-ties (smoke_lib.compare_greedy); each divergence is recorded with both runs' top-20 raw logits at
+  that position. The hooks-on engine really took the kernels (verify batches; the chunks of a prompt prefilled
+  alone), and every paged attention call of every engine (our kernels and FlashAttention) matched exact fp32
+  attention over the same cache (the children's shadow check).
 Numbers go to $QS_GPU_RESULTS/engine-hooks-h200.json.
 """
 
@@ -34,6 +37,7 @@ CHILD = HERE / "engine_hooks_child.py"
 ENGINE_TIMEOUT_S = 900
 VOCAB = 248320
 HQ, HKV, D = 24, 4, 256
+ENGINES = {"on": ("1", "mtp"), "off": ("0", "mtp"), "plain": ("0", "none")}  # name: (HOOKS, SPEC) of the child
 _record: dict = {}
 
 
@@ -191,15 +195,15 @@ def mtp_engines() -> dict[str, dict]:
         subprocess.run([sys.executable, "-m", "qwen_serving.synth", "--size", "tiny", "--out", str(model),
                         "--seed", "0", "--force"], cwd=REPO, env=_env(), check=True, timeout=600)
     procs = {}
-    for flag in ("1", "0"):
-        out = work / f"mtp-hooks-{flag}.json"
+    for name, (hooks, spec) in ENGINES.items():
+        out = work / f"engine-hooks-{name}.json"
         out.unlink(missing_ok=True)
-        log = open(RESULTS / f"engine-hooks-{flag}.log", "w")  # closed once the engine exits
-        procs[flag] = (subprocess.Popen([sys.executable, str(CHILD), str(model), str(out), flag], cwd=REPO,
+        log = open(RESULTS / f"engine-hooks-{name}.log", "w")  # closed once the engine exits
+        procs[name] = (subprocess.Popen([sys.executable, str(CHILD), str(model), str(out), hooks, spec], cwd=REPO,
                                         env=_env(), stdout=log, stderr=subprocess.STDOUT), out, log)
     deadline = time.monotonic() + ENGINE_TIMEOUT_S
     runs = {}
-    for flag, (proc, out, log) in procs.items():
+    for name, (proc, out, log) in procs.items():
         try:
             rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -207,30 +211,71 @@ def mtp_engines() -> dict[str, dict]:
             rc = "timeout"
         log.close()
         text = Path(log.name).read_text(errors="replace")
-        runs[flag] = json.loads(out.read_text()) if out.exists() else {}
-        runs[flag].update(rc=rc, log_tail=text[-3000:] if rc != 0 else "")
+        runs[name] = json.loads(out.read_text()) if out.exists() else {}
+        runs[name].update(rc=rc, log_tail=text[-3000:] if rc != 0 else "")
     return runs
 
 
 def test_mtp_greedy_same_with_verify_kernel(mtp_engines):
-    on, off = _ok(mtp_engines["1"]), _ok(mtp_engines["0"])
-    comparison = lib.compare_greedy(*(_traces(run, "batch") for run in (on, off)))
+    on, off = _ok(mtp_engines["on"]), _ok(mtp_engines["off"])
     _record["mtp_greedy_hooks_on_vs_off"] = {
-        **comparison.summary(), "routed_on": on["routed"]["batch"], "routed_off": off["routed"]["batch"],
+        **_compare(on, off, "batch"), "routed_on": on["routed"]["batch"], "routed_off": off["routed"]["batch"],
         "start_s": {"on": on["start_s"], "off": off["start_s"]}}
     _save()
     assert on["routed"]["batch"]["verify"] > 0, "no verify batch reached the kernel"
     assert off["routed"]["batch"] == {"verify": 0, "prefill": 0}
-    assert not comparison.unexplained, [d.reason for d in comparison.unexplained]
+    unexplained = _record["mtp_greedy_hooks_on_vs_off"]["unexplained"]
+    assert not unexplained, unexplained
 
 
 def test_single_prompt_prefill_through_int8_kernel(mtp_engines):
-    on, off = _ok(mtp_engines["1"]), _ok(mtp_engines["0"])
-    comparison = lib.compare_greedy(*(_traces(run, "single") for run in (on, off)))
-    _record["single_prompt_hooks_on_vs_off"] = {**comparison.summary(), "routed_on": on["routed"]["single"]}
+    on, off = _ok(mtp_engines["on"]), _ok(mtp_engines["off"])
+    _record["single_prompt_hooks_on_vs_off"] = {**_compare(on, off, "single"), "routed_on": on["routed"]["single"]}
     _save()
     assert on["routed"]["single"]["prefill"] >= 3, "the long prompt's chunks did not reach the int8 kernel"
-    assert not comparison.unexplained, [d.reason for d in comparison.unexplained]
+    unexplained = _record["single_prompt_hooks_on_vs_off"]["unexplained"]
+    assert not unexplained, unexplained
+
+
+def test_mtp_without_hooks_same_as_no_speculation(mtp_engines):
+    # the control: if MTP alone changes these prompts' greedy outputs, hooks on vs off is no test of the hooks
+    off, plain = _ok(mtp_engines["off"]), _ok(mtp_engines["plain"])
+    results = {name: _compare(off, plain, name) for name in ("single", "batch")}
+    _record["mtp_hooks_off_vs_no_speculation"] = results
+    _save()
+    unexplained = {name: r["unexplained"] for name, r in results.items() if r["unexplained"]}
+    assert not unexplained, unexplained
+
+
+def test_every_attention_call_matches_exact_attention(mtp_engines):
+    # the children re-did each paged attention call in fp32 over the same cache (engine_hooks_child.ShadowCheck)
+    shadows = {name: _ok(run)["shadow"] for name, run in mtp_engines.items()}
+    _record["attention_calls_vs_exact"] = shadows
+    _save()
+    assert shadows["on"]["batch"].get("verify_kernel", {}).get("calls"), "no verify kernel call was checked"
+    assert shadows["on"]["single"].get("prefill_int8_kernel", {}).get("calls"), "no prefill chunk was checked"
+    bad = {f"{name}/{workload}/{kind}": stats["worst_call"]
+           for name, by_workload in shadows.items() for workload, kinds in by_workload.items()
+           for kind, stats in kinds.items() if stats["bad_calls"]}
+    assert not bad, bad
+
+
+def _compare(run_a: dict, run_b: dict, workload: str) -> dict:
+    """compare_greedy's summary plus, at each divergence, both runs' top-20 raw logits there and their spread
+    (top-1 minus top-20): a flat distribution makes a tie likely, a steep one with disjoint tokens does not."""
+    traces_a, traces_b = (_traces(run, workload) for run in (run_a, run_b))
+    comparison = lib.compare_greedy(traces_a, traces_b)
+    summary = comparison.summary()
+    for entry, divergence in zip(summary["divergences"], comparison.divergences, strict=True):
+        if divergence.token_a < 0:
+            continue  # outputs of different lengths
+        for side, traces in (("a", traces_a), ("b", traces_b)):
+            top = sorted(traces[divergence.prompt].top[divergence.position].items(), key=lambda kv: -kv[1])
+            entry[f"top_{side}"] = [[token, logit] for token, logit in top]
+            entry[f"spread_{side}"] = top[0][1] - top[-1][1] if top else None
+        entry["common_top_tokens"] = len({t for t, _ in entry["top_a"]} & {t for t, _ in entry["top_b"]})
+    summary["unexplained"] = [d.reason for d in comparison.unexplained]
+    return summary
 
 
 def _ok(run: dict) -> dict:

@@ -9,6 +9,7 @@ variant's modules replacing the base's, one atomic rename at the end.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import shutil
@@ -101,6 +102,24 @@ def download(repo: str, local_dir: Path, *, revision: str | None = None, token: 
         f"{verify_files(local_dir) / 1e9:.2f} GB")
     say(f"download: complete and verified ({summary})")
     return summary
+
+
+def download_main(name: str, doc: str, default_repo: str, *, require_qwen35: bool = True,
+                  argv: list[str] | None = None) -> int:
+    """The command line of prepare/download.py and prepare/fetch_dflash2.py: fetch a repo and verify it."""
+    parser = argparse.ArgumentParser(prog=name, description=doc.splitlines()[0])
+    parser.add_argument("--repo", default=default_repo)
+    parser.add_argument("--dir", help="target directory (default: models/<repo name>)")
+    parser.add_argument("--revision")
+    parser.add_argument("--token", help="Hugging Face token (default: HF_TOKEN)")
+    args = parser.parse_args(argv)
+    target = Path(args.dir) if args.dir else default_dir(args.repo)
+    try:
+        download(args.repo, target, revision=args.revision, token=args.token, require_qwen35=require_qwen35)
+    except (CheckpointError, OSError) as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _expected_sizes(hub, repo: str, local_dir: Path, revision: str | None, token: str | None) -> dict[str, int] | None:

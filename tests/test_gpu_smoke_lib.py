@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import stat
 import sys
 import textwrap
@@ -250,6 +251,31 @@ def test_trim_to_tail(tmp_path):
     assert data.endswith(b"x" * 97 + b"END") and data.startswith(b"[... earlier output trimmed ...]")
     lib.trim_to_tail(log, 10_000)  # already small: untouched
     assert log.read_bytes() == data
+
+
+def test_child_env_adds_the_device_env_and_the_repo_once():
+    env = lib.child_env({"PYTHONPATH": f"/elsewhere{os.pathsep}", "VLLM_USE_FLASHINFER_SAMPLER": "1", "KEEP": "x"})
+    assert env["PYTHONPATH"] == os.pathsep.join(["/elsewhere", str(lib.REPO)])
+    assert {k: env[k] for k in lib.DEVICE_ENV} == lib.DEVICE_ENV and env["KEEP"] == "x"
+    assert lib.child_env(env)["PYTHONPATH"] == env["PYTHONPATH"]
+    assert (lib.REPO / "qwen_serving" / "__init__.py").exists()
+
+
+def test_run_json_children_collects_records_exit_codes_and_timeouts(tmp_path):
+    def child(name: str, code: str):
+        out = tmp_path / f"{name}.json"
+        return [sys.executable, "-c", code, str(out)], out, tmp_path / f"{name}.log"
+
+    children = {
+        "writes": child("writes", "import json, sys; print('hello'); open(sys.argv[1], 'w').write(json.dumps({'n': 1}))"),
+        "fails": child("fails", "import sys; print('boom', file=sys.stderr); sys.exit(3)"),
+        "hangs": child("hangs", "import time; time.sleep(60)"),
+    }
+    (tmp_path / "fails.json").write_text('{"stale": true}')  # an earlier run's output is not this run's record
+    runs = lib.run_json_children(children, lib.child_env(os.environ), timeout_s=3)
+    assert (runs["writes"].rc, runs["writes"].record, runs["writes"].log) == (0, {"n": 1}, "hello\n")
+    assert (runs["fails"].rc, runs["fails"].record) == (3, {}) and "boom" in runs["fails"].log
+    assert (runs["hangs"].rc, runs["hangs"].record) == ("timeout", {})
 
 
 # ------------------------------------------------------------------------------------------------

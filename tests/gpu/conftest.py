@@ -19,9 +19,7 @@ import pytest
 import smoke_lib as lib
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-RESULTS = Path(os.environ.get("QS_GPU_RESULTS", "/tmp/gpu-results"))
-WORK = Path(os.environ.get("QS_GPU_WORK", "/tmp/qs-gpu-work"))
+REPO, RESULTS, WORK = lib.REPO, lib.RESULTS, lib.WORK
 RESULT_JSON = "gpu-smoke-h200.json"
 SERVER_START_TIMEOUT_S = 600  # first start of a config is ~200 s (Triton JIT of the GDN kernels)
 SERVER_LOG_MAX_BYTES = 8 << 20  # results come back through a 16 MiB-per-file transfer
@@ -39,17 +37,6 @@ def say(message: str) -> None:
     stream.flush()
 
 
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(lib.DEVICE_ENV)
-    # the patched vLLM's hooks import qwen_serving: the repo must be importable in every child
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if str(REPO) not in paths:
-        paths.append(str(REPO))
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    return env
-
-
 def synthesise(size: str, out: Path, record: dict, extra: tuple[str, ...] = ()) -> Path:
     """`python -m qwen_serving.synth` into a fresh `out`; timed into record['phases_s'].
 
@@ -65,7 +52,7 @@ def synthesise(size: str, out: Path, record: dict, extra: tuple[str, ...] = ()) 
     say(f"synth {size}: {' '.join(argv[1:])}")
     t0 = time.monotonic()
     done = subprocess.run(
-        argv, cwd=REPO, env=_child_env(), capture_output=True, text=True, timeout=SYNTH_TIMEOUT_S, check=False
+        argv, cwd=REPO, env=lib.child_env(os.environ), capture_output=True, text=True, timeout=SYNTH_TIMEOUT_S, check=False
     )
     seconds = round(time.monotonic() - t0, 1)
     record["phases_s"][f"synth_{size}"] = seconds
@@ -88,7 +75,7 @@ class Fleet:
         self.pgid_file = WORK / "server-pgids"
 
     def launch(self, key: str, spec: lib.ServerSpec) -> None:
-        server = lib.ServerProcess(spec, RESULTS / spec.log_name, _child_env(), python=sys.executable)
+        server = lib.ServerProcess(spec, RESULTS / spec.log_name, lib.child_env(os.environ), python=sys.executable)
         server.launch()
         assert server.proc is not None
         # run_on_device.sh kills these groups if pytest itself is killed before its teardown
@@ -232,7 +219,7 @@ def _patch_series_state() -> dict:
         done = subprocess.run(
             [sys.executable, "-m", "qwen_serving.patchset", "verify", "--vllm-dir", vllm_dir],
             cwd=REPO,
-            env=_child_env(),
+            env=lib.child_env(os.environ),
             capture_output=True,
             text=True,
             timeout=120,

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import smoke_lib  # tests/gpu/smoke_lib.py: the script's folder is on sys.path
+
 BATCH = 4
 NEW_TOKENS = 48
 TOP = 20  # as smoke_lib.TIE_TOP_K: near-tied tokens of a random model are often outside a top-5
@@ -170,9 +172,7 @@ def main() -> int:
         record["routed"][name] = {k: routed[k] - before[k] for k in routed}
         record["shadow"][name] = shadow.snapshot()
         record["prompt_lens"] = {**record.get("prompt_lens", {}), name: [len(p["prompt_token_ids"]) for p in prompts]}
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    tmp.rename(out)
+    smoke_lib.write_json_atomic(out, record)
     return 0
 
 

@@ -9,12 +9,13 @@ which needs the engine core in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
 import time
 from pathlib import Path
+
+import smoke_lib  # tests/gpu/smoke_lib.py: the script's folder is on sys.path
 
 TEXT = (
     "The lighthouse keeper wrote in the log every evening: the wind from the north-west, the sea "
@@ -65,9 +66,7 @@ def main() -> int:
         "perplexity": math.exp(-sum(logprobs) / len(logprobs)),
         "greedy": list(result.outputs[0].token_ids),
     }
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    tmp.rename(out)
+    smoke_lib.write_json_atomic(out, record)
     return 0
 
 

@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 GIB = 1 << 30
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = Path(os.environ.get("QS_GPU_RESULTS", "/tmp/gpu-results"))  # what comes back from the device
+WORK = Path(os.environ.get("QS_GPU_WORK", "/tmp/qs-gpu-work"))  # checkpoints and scratch, left there
 
 # Environment every vLLM process gets on the device (tests/gpu/README.md explains each).
 DEVICE_ENV = {
@@ -328,6 +331,53 @@ def trim_to_tail(path: Path, max_bytes: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(b"[... earlier output trimmed ...]\n" + tail)
     tmp.replace(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Child processes (offline engines, synth)
+
+
+def child_env(base: Mapping[str, str]) -> dict[str, str]:
+    """`base` plus DEVICE_ENV, with the repo on PYTHONPATH: the patched vLLM's hooks import qwen_serving."""
+    env = {**base, **DEVICE_ENV}
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(REPO) not in paths:
+        paths.append(str(REPO))
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+@dataclass
+class ChildRun:
+    rc: int | str  # exit code, or "timeout" when it was killed
+    log: str  # everything it printed
+    record: dict  # the JSON it wrote; {} when it wrote none
+
+
+def run_json_children(
+    children: Mapping[str, tuple[Sequence[str], Path, Path]], env: Mapping[str, str], timeout_s: float
+) -> dict[str, ChildRun]:
+    """Start every child at once (name: argv, the JSON file it writes, its log file) in the repo, then wait for
+    all of them within one `timeout_s`, killing any still running then. A JSON file left from an earlier run is
+    removed first, so a record always comes from this run."""
+    procs = {}
+    for name, (argv, out, log_path) in children.items():
+        out.unlink(missing_ok=True)
+        log = open(log_path, "w")  # closed once the child exits
+        procs[name] = (subprocess.Popen(list(argv), cwd=REPO, env=dict(env), stdout=log, stderr=subprocess.STDOUT),
+                       out, log)
+    deadline = time.monotonic() + timeout_s
+    runs = {}
+    for name, (proc, out, log) in procs.items():
+        try:
+            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timeout"
+        log.close()
+        record = json.loads(out.read_text()) if out.exists() else {}
+        runs[name] = ChildRun(rc, Path(log.name).read_text(errors="replace"), record)
+    return runs
 
 
 # ---------------------------------------------------------------------------------------------

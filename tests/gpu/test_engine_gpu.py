@@ -10,22 +10,18 @@ $QS_GPU_RESULTS/engine-h200.json (for bench/results/engine-h200.json).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+import smoke_lib as lib
 
 pytestmark = pytest.mark.gpu
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-RESULTS = Path(os.environ.get("QS_GPU_RESULTS", "/tmp/gpu-results"))
-WORK = Path(os.environ.get("QS_GPU_WORK", "/tmp/qs-gpu-work"))
-CHILD = HERE / "engine_w4a8_child.py"
+RESULTS, WORK = lib.RESULTS, lib.WORK
+CHILD = Path(__file__).with_name("engine_w4a8_child.py")
 ENGINE_TIMEOUT_S = 900
 # One criterion for "not garbage": perplexity within 5% of W4A16 (the bar) and prompt
 # logprobs within 0.25 nats of W4A16 on average (int8 activation rounding moves them by far less).
@@ -37,22 +33,6 @@ RUNS = {
     "w4a8-mlp": ("w4a8", "mlp"),
     "w4a8-all-nofold": ("w4a8-nofold", "."),
 }
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join([*paths, str(REPO)] if str(REPO) not in paths else paths)
-    return env
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.rename(path)
 
 
 @pytest.fixture(scope="module")
@@ -68,27 +48,16 @@ def engines() -> dict[str, dict]:
     if not (model / "config.json").exists():
         subprocess.run([sys.executable, "-m", "qwen_serving.synth", "--size", "shape", "--layers", "4",
                         "--out", str(model), "--seed", "0", "--force"],
-                       cwd=REPO, env=_env(), check=True, timeout=900)
-    procs = {}
+                       cwd=lib.REPO, env=lib.child_env(os.environ), check=True, timeout=900)
+    children = {}
     for name, args in RUNS.items():
         out = work / f"{name}.json"
-        out.unlink(missing_ok=True)
-        log = open(RESULTS / f"engine-{name}.log", "w")  # closed once the engine exits
-        procs[name] = (subprocess.Popen([sys.executable, str(CHILD), str(model), str(out), *args], cwd=REPO,
-                                        env=_env(), stdout=log, stderr=subprocess.STDOUT), out, log)
-    deadline = time.monotonic() + ENGINE_TIMEOUT_S
+        children[name] = ([sys.executable, str(CHILD), str(model), str(out), *args], out, RESULTS / f"engine-{name}.log")
     runs: dict[str, dict] = {}
-    for name, (proc, out, log) in procs.items():
-        try:
-            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = "timeout"
-        log.close()
-        text = Path(log.name).read_text(errors="replace")
-        runs[name] = json.loads(out.read_text()) if out.exists() else {}
-        runs[name].update(rc=rc, marlin="Using MarlinLinearKernel for CompressedTensorsWNA16" in text,
-                          log_tail=text[-2000:] if rc != 0 else "")
+    for name, child in lib.run_json_children(children, lib.child_env(os.environ), ENGINE_TIMEOUT_S).items():
+        runs[name] = {**child.record, "rc": child.rc,
+                      "marlin": "Using MarlinLinearKernel for CompressedTensorsWNA16" in child.log,
+                      "log_tail": child.log[-2000:] if child.rc != 0 else ""}
     reference = runs["w4a16"].get("prompt_logprobs")
     for run in runs.values():
         if reference and run.get("prompt_logprobs"):
@@ -96,7 +65,7 @@ def engines() -> dict[str, dict]:
             run["mean_abs_logprob_delta"] = sum(deltas) / len(deltas)
             run["perplexity_vs_w4a16"] = run["perplexity"] / runs["w4a16"]["perplexity"] - 1
             run["greedy_agreement"] = sum(a == b for a, b in zip(run["greedy"], runs["w4a16"]["greedy"], strict=True))
-    _write_json(RESULTS / "engine-h200.json", {"w4a8_runs": {k: {f: v for f, v in r.items() if f != "prompt_logprobs"}
+    lib.write_json_atomic(RESULTS / "engine-h200.json", {"w4a8_runs": {k: {f: v for f, v in r.items() if f != "prompt_logprobs"}
                                                              for k, r in runs.items()}})
     return runs
 
@@ -168,7 +137,7 @@ def test_marlin_w4a8_layer(monkeypatch):
 
     errors = {"w4a16": run(torch.bfloat16, True), "w4a8": run(torch.int8, True),
               "w4a8_nofold": run(torch.int8, False)}
-    _write_json(RESULTS / "engine-marlin-layer-h200.json", errors)
+    lib.write_json_atomic(RESULTS / "engine-marlin-layer-h200.json", errors)
     assert errors["w4a16"] < 0.01, errors
     assert errors["w4a8"] < 0.05, errors
     assert errors["w4a8_nofold"] > 0.5, errors

@@ -16,11 +16,9 @@ Numbers go to $QS_GPU_RESULTS/engine-hooks-h200.json.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,11 +27,8 @@ import smoke_lib as lib
 
 pytestmark = pytest.mark.gpu
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-RESULTS = Path(os.environ.get("QS_GPU_RESULTS", "/tmp/gpu-results"))
-WORK = Path(os.environ.get("QS_GPU_WORK", "/tmp/qs-gpu-work"))
-CHILD = HERE / "engine_hooks_child.py"
+RESULTS, WORK = lib.RESULTS, lib.WORK
+CHILD = Path(__file__).with_name("engine_hooks_child.py")
 ENGINE_TIMEOUT_S = 900
 VOCAB = 248320
 HQ, HKV, D = 24, 4, 256
@@ -52,13 +47,6 @@ def _cuda():
 def _save() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     lib.write_json_atomic(RESULTS / "engine-hooks-h200.json", _record)
-
-
-def _env() -> dict[str, str]:
-    env = {**os.environ, **lib.DEVICE_ENV}
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join([*paths, str(REPO)] if str(REPO) not in paths else paths)
-    return env
 
 
 def test_sampler_masks_equal_vllm_at_full_vocab(monkeypatch):
@@ -193,27 +181,14 @@ def mtp_engines() -> dict[str, dict]:
     model = Path(os.environ.get("QS_GPU_TINY_CKPT", work / "tiny"))
     if not (model / "config.json").exists():
         subprocess.run([sys.executable, "-m", "qwen_serving.synth", "--size", "tiny", "--out", str(model),
-                        "--seed", "0", "--force"], cwd=REPO, env=_env(), check=True, timeout=600)
-    procs = {}
+                        "--seed", "0", "--force"], cwd=lib.REPO, env=lib.child_env(os.environ), check=True, timeout=600)
+    children = {}
     for name, (hooks, spec) in ENGINES.items():
         out = work / f"engine-hooks-{name}.json"
-        out.unlink(missing_ok=True)
-        log = open(RESULTS / f"engine-hooks-{name}.log", "w")  # closed once the engine exits
-        procs[name] = (subprocess.Popen([sys.executable, str(CHILD), str(model), str(out), hooks, spec], cwd=REPO,
-                                        env=_env(), stdout=log, stderr=subprocess.STDOUT), out, log)
-    deadline = time.monotonic() + ENGINE_TIMEOUT_S
-    runs = {}
-    for name, (proc, out, log) in procs.items():
-        try:
-            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = "timeout"
-        log.close()
-        text = Path(log.name).read_text(errors="replace")
-        runs[name] = json.loads(out.read_text()) if out.exists() else {}
-        runs[name].update(rc=rc, log_tail=text[-3000:] if rc != 0 else "")
-    return runs
+        children[name] = ([sys.executable, str(CHILD), str(model), str(out), hooks, spec], out,
+                          RESULTS / f"engine-hooks-{name}.log")
+    return {name: {**child.record, "rc": child.rc, "log_tail": child.log[-3000:] if child.rc != 0 else ""}
+            for name, child in lib.run_json_children(children, lib.child_env(os.environ), ENGINE_TIMEOUT_S).items()}
 
 
 def test_mtp_greedy_same_with_verify_kernel(mtp_engines):

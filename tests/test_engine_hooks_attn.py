@@ -102,9 +102,9 @@ def test_run_verify_fp8_cache_with_layer_scales():
     assert (output[md.num_actual_tokens :] == 7.0).all()
 
 
-@pytest.fixture
-def flash_attn(monkeypatch):
-    """The patched backend module, with a recording flash_attn_varlen_func (no FlashAttention on CPU)."""
+def recording_flash_attn(monkeypatch):
+    """The patched backend module, with a recording flash_attn_varlen_func (no FlashAttention on CPU): it keeps
+    each call's max_seqlen_q and computes the reference attention. Returns (module, calls)."""
     fa = pytest.importorskip("vllm.v1.attention.backends.flash_attn")
     calls = []
 
@@ -113,19 +113,25 @@ def flash_attn(monkeypatch):
         out.copy_(spec_attention_reference(q, k, v, block_table, seqused_k, cu_seqlens_q, softmax_scale))
 
     monkeypatch.setattr(fa, "flash_attn_varlen_func", varlen, raising=False)
+    return fa, calls
+
+
+@pytest.fixture
+def flash_attn(monkeypatch):
+    recorded = recording_flash_attn(monkeypatch)
     attn_routing._shared.clear()
-    yield fa, calls
+    yield recorded
     attn_routing._shared.clear()
 
 
-def build_impl(fa, monkeypatch, enabled: bool):
+def build_impl(fa, monkeypatch, enabled: bool, hq: int = HQ, hkv: int = HKV, d: int = D):
     from vllm.config import VllmConfig, set_current_vllm_config
 
     monkeypatch.setenv("VLLM_SPEC_DECODE_ATTN", "1" if enabled else "0")
     config = VllmConfig()
     config.scheduler_config.max_num_seqs = 4
     with set_current_vllm_config(config):
-        impl = fa.FlashAttentionImpl(num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HKV, alibi_slopes=None,
+        impl = fa.FlashAttentionImpl(num_heads=hq, head_size=d, scale=d**-0.5, num_kv_heads=hkv, alibi_slopes=None,
                                      sliding_window=None, kv_cache_dtype="auto")
     impl.vllm_flash_attn_version = 2  # not detected on CPU; the verify branch never reads it
     return impl
@@ -172,15 +178,7 @@ def test_flash_attention_impl_at_the_tiny_engine_geometry(flash_attn, monkeypatc
     # of the fused qkv rows, 4 requests x 5 tokens, 32 splits (one wave of 132 SMs) over at most 4 tiles each.
     fa, varlen_calls = flash_attn
     hq, hkv, d, page, q_len, seq_lens = 6, 1, 256, 208, 5, [241, 194, 235, 98]
-    from vllm.config import VllmConfig, set_current_vllm_config
-
-    monkeypatch.setenv("VLLM_SPEC_DECODE_ATTN", "1")
-    config = VllmConfig()
-    config.scheduler_config.max_num_seqs = 4
-    with set_current_vllm_config(config):
-        impl = fa.FlashAttentionImpl(num_heads=hq, head_size=d, scale=d**-0.5, num_kv_heads=hkv, alibi_slopes=None,
-                                     sliding_window=None, kv_cache_dtype="auto")
-    impl.vllm_flash_attn_version = 2  # not detected on CPU; the verify branch never reads it
+    impl = build_impl(fa, monkeypatch, enabled=True, hq=hq, hkv=hkv, d=d)
     impl.verify_attention = SpecAttention(hq, hkv, d, max_batch=4, max_query_len=q_len, max_splits=32, device="cpu")
     impl.verify_attention._num_sms = 132
     gen = torch.Generator().manual_seed(5)

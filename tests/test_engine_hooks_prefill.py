@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_engine_hooks_attn import impl_like, metadata_for
+from test_engine_hooks_attn import impl_like, metadata_for, recording_flash_attn
 from test_kernel_spec_attn import make_paged
 
 from qwen_serving import attn_routing
@@ -64,15 +64,7 @@ def test_run_prefill_gathers_the_context():
 
 @pytest.fixture
 def flash_attn(monkeypatch):
-    fa = pytest.importorskip("vllm.v1.attention.backends.flash_attn")
-    calls = []
-
-    def varlen(q, k, v, out, cu_seqlens_q, seqused_k, softmax_scale, block_table, **kwargs):
-        calls.append(kwargs["max_seqlen_q"])
-        out.copy_(spec_attention_reference(q, k, v, block_table, seqused_k, cu_seqlens_q, softmax_scale))
-
-    monkeypatch.setattr(fa, "flash_attn_varlen_func", varlen, raising=False)
-    return fa, calls
+    return recording_flash_attn(monkeypatch)
 
 
 @pytest.mark.parametrize("enabled", [True, False])

@@ -16,6 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from qwen_serving.quant import ct_config
+
 HIDDEN = 256
 VOCAB = 1000  # not a multiple of 64: the padded rows of the embedding are exercised too
 PADDED_VOCAB = 1024  # vLLM pads the vocab dimension to a multiple of 64
@@ -32,13 +34,7 @@ LINEAR_GROUP = {"targets": ["Linear"], "weights": W4A16, "format": "pack-quantiz
 
 
 def quant_config(groups: dict, ignore: list[str]) -> dict:
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
-        "quantization_status": "compressed",
-        "config_groups": groups,
-        "ignore": ignore,
-    }
+    return {**ct_config.base_config(None), "config_groups": groups, "ignore": ignore}
 
 
 # Outside the W4A16 group: lm_head and the vision tower (bf16 here), and the GDN a/b projections,

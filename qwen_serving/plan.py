@@ -62,8 +62,9 @@ class Probe:
     vllm_installed: bool = True  # the serving venv has a vllm entry point
 
     @classmethod
-    def detect(cls, repo: Path = REPO, read_gpu: bool = False) -> Probe:
-        vllm_dir = _find_vllm(repo)
+    def detect(cls, repo: Path = REPO, read_gpu: bool = False, vllm_dir: Path | None = None) -> Probe:
+        """vllm_dir: the vllm package to read (default: the one Python would import, else the repo's venv)."""
+        vllm_dir = vllm_dir or _find_vllm(repo)
         kv, names, parsers = frozenset(), frozenset(KNOWN_VLLM_ENV), frozenset()
         if vllm_dir:
             kv = _literal_values(vllm_dir / "config" / "cache.py", "CacheDType")

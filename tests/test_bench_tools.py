@@ -1,4 +1,4 @@
-"""bench/conc_ladder.py, bench/api_smoke.py, bench/step_profile.py and bench/gpu/run_full.sh without a GPU:
+"""bench/conc_ladder.py, bench/api_smoke.py and bench/step_profile.py without a GPU:
 token counting from a streamed answer, and clear errors on bad arguments or no server."""
 
 from __future__ import annotations
@@ -94,9 +94,3 @@ def test_step_profile_needs_the_trace_folder(tmp_path):
     res = run(sys.executable, str(BENCH / "step_profile.py"), "--trace-dir", str(tmp_path / "missing"),
               "--model-dir", str(tmp_path), "--out", str(tmp_path / "o.json"))
     assert res.returncode == 2 and "not a folder" in res.stderr
-
-
-def test_run_full_rejects_unknown_configs(tmp_path):
-    res = run("bash", str(BENCH / "gpu" / "run_full.sh"), str(tmp_path / "out"), "stock", "turbo")
-    assert res.returncode == 2 and "unknown config 'turbo'" in res.stderr
-    assert not (tmp_path / "out" / "h200-full-stock.json").exists()

@@ -2,9 +2,9 @@
 # Runs ON THE GPU MACHINE, from the repo root, once the wheel chunks are in /tmp/stage
 # (tests/gpu/README.md). Start it detached, then poll its log:
 #   setsid nohup bash tests/gpu/run_on_device.sh > /tmp/gpu.log 2>&1 &
-# Steps: install the pinned stack into /tmp/site (skipped if done), apply patches/series to it
-# (idempotent), then `pytest -m gpu tests/gpu`. Everything it keeps goes to $QS_GPU_RESULTS
-# (default /tmp/gpu-results): at most 8 flat files. The last line reads `DONE rc=<n> ...`.
+# Steps: install the pinned stack into /tmp/site (skipped if done), apply patches/series to it or to a copy
+# in $PATCHED_SITE (idempotent), then `pytest -m gpu ${QS_GPU_TESTS:-tests/gpu}` (QS_GPU_TESTS=none: no
+# tests). Everything it keeps goes to $QS_GPU_RESULTS (default /tmp/gpu-results): at most 8 flat files. The last line reads `DONE rc=<n> ...`.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 1
@@ -71,20 +71,35 @@ fi
 export PYTHONPATH="$SITE:$ROOT" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
 
-# 2. the patch series (needs GNU patch; a copy can travel in the stage as .whl/tools/patch)
+# 2. the patch series (needs GNU patch; a copy can travel in the stage as .whl/tools/patch), applied to
+# $SITE/vllm, or with PATCHED_SITE set to a copy of it there, so $SITE stays stock (bench/gpu/run_full.py
+# serves both). A patched copy that verifies is used as it is.
 if ! command -v patch >/dev/null && [ -x "$PAY/tools/patch" ]; then
   export PATH="$PAY/tools:$PATH"
 fi
 command -v patch >/dev/null || finish 12 "GNU patch not found (tests/gpu/README.md: stage .whl/tools/patch)"
 t=$(date +%s)
-if ! python3 -m qwen_serving.patchset apply --vllm-dir "$SITE/vllm"; then
-  # a series from an earlier run conflicts: reinstall for a pristine tree, then apply once more
-  log "apply refused; reinstalling the pinned stack for a pristine vllm"
-  install_stack
-  python3 -m qwen_serving.patchset apply --vllm-dir "$SITE/vllm" || finish 12 "patch series does not apply"
+if [ -n "${PATCHED_SITE:-}" ]; then
+  export PYTHONPATH="$PATCHED_SITE:$PYTHONPATH"
+  if ! python3 -m qwen_serving.patchset verify --vllm-dir "$PATCHED_SITE/vllm" >/dev/null 2>&1; then
+    rm -rf "$PATCHED_SITE/vllm"
+    mkdir -p "$PATCHED_SITE" || finish 12 "cannot create $PATCHED_SITE"
+    cp -a "$SITE/vllm" "$PATCHED_SITE/vllm" || finish 12 "copying $SITE/vllm to $PATCHED_SITE failed"
+    python3 -m qwen_serving.patchset apply --vllm-dir "$PATCHED_SITE/vllm" || finish 12 "patch series does not apply"
+  fi
+  VLLM_TREE="$PATCHED_SITE/vllm"
+else
+  if ! python3 -m qwen_serving.patchset apply --vllm-dir "$SITE/vllm"; then
+    # a series from an earlier run conflicts: reinstall for a pristine tree, then apply once more
+    log "apply refused; reinstalling the pinned stack for a pristine vllm"
+    install_stack
+    python3 -m qwen_serving.patchset apply --vllm-dir "$SITE/vllm" || finish 12 "patch series does not apply"
+  fi
+  VLLM_TREE="$SITE/vllm"
 fi
-python3 -m qwen_serving.patchset verify --vllm-dir "$SITE/vllm" || finish 12 "patch series not fully applied"
+python3 -m qwen_serving.patchset verify --vllm-dir "$VLLM_TREE" || finish 12 "patch series not fully applied"
 record_phase apply_s $(( $(date +%s) - t ))
+[ "${QS_GPU_TESTS:-}" = none ] && finish 0 "stack ready, no tests asked for (QS_GPU_TESTS=none)"
 
 # 3. the GPU tests (tests/gpu/conftest.py writes gpu-smoke-h200.json and the server logs into $RESULTS)
 # A Triton cache brought back from an earlier visit (README: jit-cache) skips most of the kernel JIT.

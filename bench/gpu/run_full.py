@@ -1,0 +1,234 @@
+"""The full-shape GPU flow (bench/gpu/README.md): generate the random-weight 27B checkpoint, start one server
+per config (all at once: they share the GPU while they boot), then, with nothing else on the GPU, measure the
+configs one after the other (qwen_serving.fullbench lists what each runs), stop each server after its
+measurements, and merge its figures into OUT/h200-full-<config>.json. Progress goes to stdout; run it detached.
+
+    python bench/gpu/run_full.py OUT CONFIG [CONFIG ...] [--patched-site DIR] [--before-measure CMD]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from qwen_serving import fullbench as fb  # noqa: E402
+from qwen_serving import plan  # noqa: E402
+from qwen_serving.benchreport import write_json_atomic  # noqa: E402
+
+RUN_TIMEOUT_S = 1200
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+class Server:
+    def __init__(self, cfg: fb.BenchConfig, cmd: fb.ServerCommand, port: int, pythonpath: str, log_path: Path):
+        self.cfg, self.cmd, self.port, self.pythonpath, self.log_path = cfg, cmd, port, pythonpath, log_path
+        self.proc: subprocess.Popen | None = None
+        self.state = "new"  # new -> starting -> up | died | timeout -> stopped
+
+    def start(self) -> None:
+        env = {**os.environ, **self.cmd.env, "PYTHONPATH": self.pythonpath}
+        with open(self.log_path, "w") as out:
+            self.proc = subprocess.Popen(self.cmd.argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)  # its own process group: stop() takes it all
+        self.state = "starting"
+
+    def poll(self) -> str:
+        if self.state == "starting":
+            if healthy(self.port):
+                self.state = "up"
+            elif self.proc.poll() is not None:
+                self.state = "died"
+        return self.state
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        if self.state in ("starting", "up"):
+            self.state = "stopped"
+
+
+def device_copy_gbps(python: str, pythonpath: str) -> float | None:
+    """Measured before any server holds the GPU (step_profile.py would otherwise need 2 GB beside them)."""
+    code = "import sys, step_profile; g = step_profile.device_copy_gbps(); print(g if g else '')"
+    res = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=REPO / "bench",
+                         env={**os.environ, "PYTHONPATH": pythonpath}, timeout=300)
+    try:
+        return float(res.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        log(f"device copy bandwidth not measured: {res.stderr.strip()[-300:]}")
+        return None
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", type=Path)
+    p.add_argument("configs", nargs="+", metavar="CONFIG", help=f"of: {', '.join(fb.CONFIGS)}")
+    p.add_argument("--site", type=Path, default=Path("/tmp/site"), help="the staged stock stack (default %(default)s)")
+    p.add_argument("--patched-site", type=Path, help="a folder holding the patched vllm package (patched* configs)")
+    p.add_argument("--ckpt", type=Path, default=Path("/tmp/qwen-full"), help="generated here if missing")
+    p.add_argument("--base-port", type=int, default=18020, help="config i listens on base + i")
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--before-measure", help="shell command run (and waited for) once the servers are up, before "
+                                             "the first measurement: e.g. wait for other GPU work to end")
+    p.add_argument("--start-timeout", type=float, default=1200.0, help="seconds for all servers to come up")
+    p.add_argument("--dry-run", action="store_true", help="print every command, start nothing")
+    args = p.parse_args(argv)
+    unknown = [c for c in args.configs if c not in fb.CONFIGS]
+    if unknown:
+        p.error(f"unknown config {unknown[0]!r} (one of {', '.join(fb.CONFIGS)})")
+    if len(set(args.configs)) != len(args.configs):
+        p.error("a config is named twice")
+    if any(fb.CONFIGS[c].patched for c in args.configs):
+        if not args.patched_site:
+            p.error("patched configs need --patched-site (a folder holding the patched vllm package)")
+        if not args.dry_run and not (args.patched_site / "vllm" / "__init__.py").is_file():
+            p.error(f"--patched-site {args.patched_site}: no vllm package there")
+    return args
+
+
+def build_servers(args: argparse.Namespace, out: Path) -> list[Server]:
+    servers = []
+    for i, name in enumerate(args.configs):
+        cfg = fb.CONFIGS[name]
+        paths = [str(args.site)]
+        probe = None
+        if cfg.patched:
+            paths.insert(0, str(args.patched_site))
+            probe = plan.Probe.detect(REPO, vllm_dir=args.patched_site / "vllm")
+        traces = out / f"traces-{name}"
+        port = args.base_port + i
+        cmd = fb.server_command(cfg, python=args.python, ckpt=args.ckpt, port=port, traces=traces, probe=probe)
+        servers.append(Server(cfg, cmd, port, os.pathsep.join(paths), out / f"h200-full-{name}.server.log"))
+    return servers
+
+
+def wait_until_up(servers: list[Server], timeout_s: float) -> None:
+    t0, last = time.time(), 0.0
+    while any(s.poll() == "starting" for s in servers):
+        if time.time() - t0 > timeout_s:
+            for s in servers:
+                if s.state == "starting":
+                    s.state = "timeout"
+                    s.stop()
+            break
+        if time.time() - last >= 30:
+            last = time.time()
+            log("servers: " + ", ".join(f"{s.cfg.name} {s.state}" for s in servers) + f" ({time.time() - t0:.0f} s)")
+        time.sleep(5)
+    log("servers: " + ", ".join(f"{s.cfg.name} {s.state}" for s in servers) + f" ({time.time() - t0:.0f} s)")
+
+
+def gpu_state() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "nvidia-smi not available"
+
+
+def measure(server: Server, args: argparse.Namespace, out: Path, gbps: float | None) -> dict:
+    cfg = server.cfg
+    log(f"{cfg.name}: GPU before measuring (utilization, memory used): {gpu_state()}")
+    traces = out / f"traces-{cfg.name}"
+    url = f"http://127.0.0.1:{server.port}"
+    runs = fb.runs_for(cfg, python=args.python, repo=REPO, url=url, out=out, ckpt=args.ckpt, traces=traces)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), server.pythonpath])}
+    parts, errors = {}, {}
+    for run in runs:
+        argv = list(run.argv) + (["--bandwidth-gbps", str(gbps)] if run.part == "steps" and gbps else [])
+        log(f"{cfg.name}: {run.part} ...")
+        t0 = time.time()
+        with open(out / f"h200-full-{cfg.name}-{run.part}.log", "w") as run_log:
+            try:
+                rc = subprocess.run(argv, stdout=run_log, stderr=subprocess.STDOUT, env=env,
+                                    timeout=RUN_TIMEOUT_S).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        report = out / f"h200-full-{cfg.name}-{run.part}.json"
+        parts[run.part] = json.loads(report.read_text()) if report.exists() else None
+        if rc != 0:
+            errors[run.part] = f"exit {rc} (see h200-full-{cfg.name}-{run.part}.log)"
+        log(f"{cfg.name}: {run.part} exit {rc} after {time.time() - t0:.0f} s")
+    return fb.merge(cfg.name, server.cmd.shell(), parts, errors)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    out = args.out.resolve()
+    if args.dry_run:
+        servers = build_servers(args, out)
+        for s in servers:
+            print(f"# {s.cfg.name} (port {s.port}): {s.cfg.what}\nPYTHONPATH={s.pythonpath} {s.cmd.shell()}")
+            for run in fb.runs_for(s.cfg, python=args.python, repo=REPO, url=f"http://127.0.0.1:{s.port}", out=out,
+                                   ckpt=args.ckpt, traces=out / f"traces-{s.cfg.name}"):
+                print(f"  {run.part}: {' '.join(run.argv)}")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still stops the servers (finally below)
+    stock_path = os.pathsep.join([str(REPO), str(args.site)])
+    if not (args.ckpt / "config.json").exists():
+        log(f"generating the full-shape checkpoint in {args.ckpt}")
+        subprocess.run([args.python, "-m", "qwen_serving.synth", "--size", "full", "--out", str(args.ckpt),
+                        "--seed", "0"], cwd=REPO, env={**os.environ, "PYTHONPATH": stock_path}, check=True)
+    gbps = device_copy_gbps(args.python, stock_path)
+    log(f"device copy bandwidth: {gbps} GB/s")
+    servers = build_servers(args, out)
+    merged_all: dict[str, dict] = {}
+    try:
+        for s in servers:
+            (out / f"h200-full-{s.cfg.name}.serve-cmd.txt").write_text(s.cmd.shell() + "\n")
+            for_traces = out / f"traces-{s.cfg.name}"
+            for_traces.mkdir(exist_ok=True)
+            log(f"{s.cfg.name}: starting on port {s.port} (log {s.log_path.name})")
+            s.start()
+        wait_until_up(servers, args.start_timeout)
+        if args.before_measure:
+            log(f"before measuring: {args.before_measure}")
+            subprocess.run(["bash", "-c", args.before_measure], check=False)
+        for s in servers:
+            if s.state != "up":
+                merged = fb.merge(s.cfg.name, s.cmd.shell(), {}, {"server": f"{s.state} (see {s.log_path.name})"})
+            else:
+                merged = measure(s, args, out, gbps)
+                s.stop()
+            merged_all[s.cfg.name] = merged
+            write_json_atomic(out / f"h200-full-{s.cfg.name}.json", merged)
+            log(f"{s.cfg.name}: wrote h200-full-{s.cfg.name}.json (errors: {merged['errors'] or 'none'})")
+    finally:
+        for s in servers:
+            s.stop()
+    failed = [name for name, m in merged_all.items() if m["errors"]]
+    log(f"done: {out}" + (f"; with errors: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,182 @@
+"""The full-shape GPU flow's configurations (bench/gpu/run_full.py): what each server runs and what is
+measured against it. Pure data and argv building, so the CPU tests can check every command.
+
+Servers of one call start together and share the GPU while they boot (they boot in ~4 min each, and
+the device time is scarce); they are measured one after the other once all are up, with nothing else
+on the GPU. Sharing needs every server to skip vLLM's memory profiling: each gets a fixed KV pool
+(`--kv-cache-memory-bytes`) and a low `--gpu-memory-utilization`, which then only gates the free-memory
+check at start. Neither changes a decode step: the pool only has to seat the largest cohort.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qwen_serving import plan
+
+GB = 10**9
+SERVED_NAME = "qwen3.8-27b"
+MAX_LEN = 40960
+SHARED_UTIL = 0.2  # the free-memory check at start only: every pool is fixed by KV_BYTES
+# The stock figures of issue #4 (stock vLLM 0.28.0, H200, Marlin forced, random prompts, vllm bench serve).
+REFERENCE = {"C1": {"decode_tok_s": 117.8, "tpot_ms": 8.49}, "C64": {"decode_tok_s": 3024.0, "tpot_ms": 18.7}}
+REPRODUCE_WITHIN = 0.05
+NOTE_RANDOM = ("Random weights: draft acceptance and tokens per step mean nothing here; compare ms_per_step of the "
+               "mtp configs with the plain config (the cost of a k-draft verify step against a decode step).")
+# What a config runs, in this order (see runs_for):
+#   single: harness single (C1/C2/C4/C8 over the real prompts) + --prefill;  single-c1: harness C1, 4 prompts
+#   batch: harness batch (C64, 128 in / 512 out);  repeat: single-c1 and batch once more (the second run)
+#   ladder: conc_ladder 1/2/4/8 streams;  steps: step_profile C1 and C64;  api: api_smoke
+RUN_KINDS = ("single", "single-c1", "batch", "repeat", "ladder", "steps", "api")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    patched: bool
+    spec_tokens: int = 0
+    product: str | None = None  # "batch": the serve plan's batch mode (W4A8, fp16 state, fp8 KV, prefix cache)
+    env: Mapping[str, str] = field(default_factory=dict)
+    kv_bytes: int = 8 * GB
+    runs: tuple[str, ...] = ("single-c1",)
+    what: str = ""
+
+
+# Pools: stock keeps vLLM's fp32 recurrent state (the checkpoint's mamba_ssm_dtype); with prefix caching on, one
+# request holds 3 GDN groups x 2 state blocks of 51 MB (memory.CacheShape). 28 GB seats 77 requests of 640 tokens;
+# 8 GB seats 7 MTP requests, and holds one MAX_LEN request.
+CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
+    BenchConfig("stock", False, kv_bytes=28 * GB, runs=("single", "batch", "repeat", "ladder", "steps", "api"),
+                what="stock vLLM 0.28.0, no speculation: the reference figures"),
+    BenchConfig("stock-mtp4", False, 4, what="stock, MTP k=4: the cost of a verify step"),
+    BenchConfig("stock-mtp7", False, 7, what="stock, MTP k=7: the cost of a verify step"),
+    BenchConfig("patched", True, kv_bytes=28 * GB, runs=("single-c1", "batch", "steps"),
+                what="the patch series with the stock flags: patches at their defaults"),
+    BenchConfig("patched-mtp4", True, 4, env={"VLLM_SPEC_DECODE_ATTN": "1"},
+                what="patched, MTP k=4, verify attention on qwen_serving.kernels.spec_attn"),
+    BenchConfig("patched-mtp7", True, 7, env={"VLLM_SPEC_DECODE_ATTN": "1"},
+                what="patched, MTP k=7, verify attention on qwen_serving.kernels.spec_attn"),
+    BenchConfig("patched-batch", True, product="batch", kv_bytes=16 * GB,
+                runs=("single-c1", "batch", "ladder", "steps", "api"),
+                what="the serve plan's batch mode (W4A8 MLP GEMMs, fp16 state, fp8 KV, prefix cache, async)"),
+)}
+
+
+def profiler_config(traces: Path) -> str:
+    """vLLM's torch profiler, idle until /start_profile; the API server's own trace is left out."""
+    return json.dumps({"profiler": "torch", "torch_profiler_dir": str(traces), "torch_profiler_use_gzip": False,
+                       "torch_profiler_with_stack": False, "ignore_frontend": True})
+
+
+@dataclass(frozen=True)
+class ServerCommand:
+    argv: tuple[str, ...]
+    env: Mapping[str, str]  # on top of the caller's environment
+
+    def shell(self) -> str:
+        exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return f"{exports} {shlex.join(self.argv)}".strip()
+
+
+def server_command(cfg: BenchConfig, *, python: str, ckpt: Path, port: int, traces: Path,
+                   probe: plan.Probe | None = None) -> ServerCommand:
+    """The vllm serve command of one config. Every server: Marlin forced (the RTX 3090's kernel), Triton GDN
+    prefill (no FlashInfer on the test machine), the text model only, the profiler configured."""
+    env = {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+           "VLLM_SERVER_DEV_MODE": "1", **cfg.env}
+    shared = ["--gpu-memory-utilization", str(SHARED_UTIL), "--profiler-config", profiler_config(traces)]
+    cli = [python, "-m", "vllm.entrypoints.cli.main", "serve"]
+    if cfg.product:
+        knob_env = {"MODEL": str(ckpt), "PORT": str(port), "HOST": "127.0.0.1", "KV_MEM": str(cfg.kv_bytes),
+                    "MAX_LEN": str(MAX_LEN), "GDN_PREFILL": "triton", "EXTRA_ARGS": shlex.join(shared)}
+        served = plan.build(cfg.product, knob_env, probe=probe)
+        if served.argv[:2] != ("vllm", "serve"):
+            raise ValueError(f"the {cfg.product} plan does not start with `vllm serve`: {served.argv[:2]}")
+        return ServerCommand((*cli, *served.argv[2:]), {**dict(served.env), **env})
+    argv = [*cli, str(ckpt), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
+            "--language-model-only", "--gdn-prefill-backend", "triton", "--max-model-len", str(MAX_LEN),
+            "--kv-cache-memory-bytes", str(cfg.kv_bytes), *shared]
+    if cfg.spec_tokens:
+        argv += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": cfg.spec_tokens})]
+    return ServerCommand(tuple(argv), env)
+
+
+@dataclass(frozen=True)
+class Run:
+    part: str  # the report's file: h200-full-<config>-<part>.json
+    argv: tuple[str, ...]
+
+
+def runs_for(cfg: BenchConfig, *, python: str, repo: Path, url: str, out: Path, ckpt: Path, traces: Path) -> list[Run]:
+    """The measurements of one config, in order, each writing OUT/h200-full-<config>-<part>.json (+ .png)."""
+    bench = repo / "bench"
+    tag = f"h200-full-{cfg.name}"
+
+    def harness(part: str, *args: str) -> Run:
+        return Run(part, (python, str(bench / "harness.py"), *args, "--tag", f"{tag}-{part}", "--url", url,
+                          "--out", str(out), "--ignore-eos", "--note", NOTE_RANDOM, "--meta", f"config={cfg.name}",
+                          "--force"))
+
+    single_c1 = ("single", "--cohorts", "1", "--num-prompts", "4")
+    runs: list[Run] = []
+    for kind in cfg.runs:
+        if kind == "single":
+            runs.append(harness("single", "single", "--prefill"))
+        elif kind == "single-c1":
+            runs.append(harness("single", *single_c1))
+        elif kind == "batch":
+            runs.append(harness("batch", "batch"))
+        elif kind == "repeat":
+            runs += [harness("single-run2", *single_c1), harness("batch-run2", "batch")]
+        elif kind == "ladder":
+            runs.append(Run("ladder", (python, str(bench / "conc_ladder.py"), "--url", url,
+                                       "--out", str(out / f"{tag}-ladder.json"))))
+        elif kind == "steps":
+            runs.append(Run("steps", (python, str(bench / "step_profile.py"), "--url", url, "--trace-dir", str(traces),
+                                      "--model-dir", str(ckpt), "--out", str(out / f"{tag}-steps.json"))))
+        elif kind == "api":
+            runs.append(Run("api", (python, str(bench / "api_smoke.py"), "--url", url,
+                                    "--json", str(out / f"{tag}-api.json"))))
+        else:
+            raise ValueError(f"{cfg.name}: unknown run kind {kind!r} (one of {', '.join(RUN_KINDS)})")
+    return runs
+
+
+def _cohort(report: Mapping | None, cohort: str) -> Mapping | None:
+    return ((report or {}).get("cohorts") or {}).get(cohort)
+
+
+def reference_check(parts: Mapping[str, Mapping | None]) -> dict:
+    """Stock C1 and C64 decode rates of each run against REFERENCE: within REPRODUCE_WITHIN over two runs.
+
+    parts: a stock config's reports by part (single, single-run2, batch, batch-run2)."""
+    check: dict = {"reference": REFERENCE, "within": REPRODUCE_WITHIN, "runs": {}}
+    sources = {"C1": ("single", "single-run2"), "C64": ("batch", "batch-run2")}
+    ok = True
+    for cohort, names in sources.items():
+        want = REFERENCE[cohort]["decode_tok_s"]
+        got = []
+        for name in names:
+            fig = _cohort(parts.get(name), cohort)
+            if fig is None:
+                ok = False
+                continue
+            rate = float(fig["decode_tok_s"])
+            got.append({"run": name, "decode_tok_s": rate, "off_by": rate / want - 1})
+        check["runs"][cohort] = got
+        ok = ok and len(got) == len(names) and all(abs(g["off_by"]) <= REPRODUCE_WITHIN for g in got)
+    check["reproduced"] = ok
+    return check
+
+
+def merge(config: str, serve_cmd: str, parts: Mapping[str, Mapping | None], errors: Mapping[str, str]) -> dict:
+    """One config's figures in one JSON (h200-full-<config>.json)."""
+    merged = {"config": config, "what": CONFIGS[config].what, "serve_cmd": serve_cmd, "note": NOTE_RANDOM,
+              "errors": dict(errors), **{part: report for part, report in parts.items()}}
+    if not CONFIGS[config].patched and "repeat" in CONFIGS[config].runs:
+        merged["reference_check"] = reference_check(parts)
+    return merged

@@ -1,0 +1,146 @@
+"""The full-shape GPU flow without a GPU: every config's server argv through vLLM 0.28.0's own `vllm serve`
+parser, the measurements each config runs, the stock-reproduction check, and bench/gpu/run_full.py's CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qwen_serving import fullbench as fb
+from qwen_serving.plan import Probe
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_FULL = REPO / "bench" / "gpu" / "run_full.py"
+CKPT, TRACES = Path("/ckpt/full"), Path("/out/traces-x")
+
+
+@pytest.fixture(scope="module")
+def serve():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    root = FlexibleArgumentParser(prog="vllm")
+    ServeSubcommand().subparser_init(root.add_subparsers(dest="subparser"))
+
+    def parse(argv: tuple[str, ...]):
+        assert argv[1:4] == ("-m", "vllm.entrypoints.cli.main", "serve")
+        ns = root.parse_args(list(argv[3:]))
+        ServeSubcommand().validate(ns)
+        return ns, EngineArgs.from_cli_args(ns)
+
+    return parse
+
+
+@pytest.mark.parametrize("name", list(fb.CONFIGS))
+def test_every_config_parses_through_vllm_serve(name, serve):
+    cfg = fb.CONFIGS[name]
+    cmd = fb.server_command(cfg, python="py", ckpt=CKPT, port=18025, traces=TRACES, probe=Probe.detect(REPO))
+    ns, ea = serve(cmd.argv)
+    assert ns.model_tag == str(CKPT) and ns.port == 18025 and ns.host == "127.0.0.1"
+    assert ea.served_model_name in (fb.SERVED_NAME, [fb.SERVED_NAME])
+    # shared-GPU start: a fixed pool, so vLLM's memory profiling (which other processes would upset) is skipped
+    assert ea.kv_cache_memory_bytes == cfg.kv_bytes and ea.gpu_memory_utilization == fb.SHARED_UTIL
+    assert ea.max_model_len == fb.MAX_LEN and ea.language_model_only and ea.gdn_prefill_backend == "triton"
+    prof = ea.profiler_config
+    prof = prof if isinstance(prof, dict) else vars(prof)
+    assert prof["profiler"] == "torch" and prof["torch_profiler_dir"] == str(TRACES) and prof["ignore_frontend"]
+    assert cmd.env["VLLM_DISABLED_KERNELS"] == "MacheteLinearKernel" and cmd.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    spec = ea.speculative_config
+    if cfg.spec_tokens:
+        assert spec == {"method": "mtp", "num_speculative_tokens": cfg.spec_tokens}
+    else:
+        assert spec is None
+    if cfg.product == "batch":  # the serve plan's batch mode, not a hand copy of it
+        assert cmd.env["VLLM_MARLIN_INPUT_DTYPE"] == "int8" and cmd.env["VLLM_MARLIN_INT8_INCLUDE_RE"] == "mlp"
+        assert ea.mamba_ssm_cache_dtype == "float16" and ea.kv_cache_dtype == "fp8" and ea.max_num_seqs == 64
+        assert ea.enable_prefix_caching and ea.async_scheduling
+    else:
+        assert "VLLM_MARLIN_INPUT_DTYPE" not in cmd.env and ea.kv_cache_dtype == "auto"
+    assert (cmd.env.get("VLLM_SPEC_DECODE_ATTN") == "1") is (cfg.patched and cfg.spec_tokens > 0)
+
+
+def test_pools_seat_the_largest_cohort():
+    from qwen_serving.memory import CacheShape
+
+    for cfg in fb.CONFIGS.values():
+        if cfg.product == "batch":
+            shape = CacheShape(kv_dtype="fp8", state_dtype="float16", prefix_cache=True)
+        else:  # stock keeps the checkpoint's fp32 state; 0.28.0 turns prefix caching on for hybrid models
+            shape = CacheShape(state_dtype="float32", spec="mtp" if cfg.spec_tokens else "off",
+                               spec_tokens=cfg.spec_tokens, prefix_cache=True, kv_group_fix=cfg.patched)
+        assert shape.fits(cfg.kv_bytes, fb.MAX_LEN), cfg.name
+        cohort = 64 if any(k in cfg.runs for k in ("batch", "repeat")) else 8 if "single" in cfg.runs else 1
+        assert shape.residents(cfg.kv_bytes, 128, 512) >= cohort, cfg.name
+
+
+def test_runs_follow_the_config():
+    stock = fb.runs_for(fb.CONFIGS["stock"], python="py", repo=REPO, url="http://h:1", out=Path("/o"), ckpt=CKPT,
+                        traces=TRACES)
+    assert [r.part for r in stock] == ["single", "batch", "single-run2", "batch-run2", "ladder", "steps", "api"]
+    single = stock[0].argv
+    assert single[:3] == ("py", str(REPO / "bench" / "harness.py"), "single") and "--prefill" in single
+    assert single[single.index("--tag") + 1] == "h200-full-stock-single" and "--ignore-eos" in single
+    run2 = stock[2].argv
+    assert run2[run2.index("--cohorts") + 1] == "1" and run2[run2.index("--tag") + 1] == "h200-full-stock-single-run2"
+    steps = stock[5].argv
+    assert steps[steps.index("--trace-dir") + 1] == str(TRACES) and steps[steps.index("--model-dir") + 1] == str(CKPT)
+    assert steps[steps.index("--out") + 1] == "/o/h200-full-stock-steps.json"
+    mtp = fb.runs_for(fb.CONFIGS["stock-mtp7"], python="py", repo=REPO, url="u", out=Path("/o"), ckpt=CKPT,
+                      traces=TRACES)
+    assert [r.part for r in mtp] == ["single"] and "--prefill" not in mtp[0].argv
+    with pytest.raises(ValueError, match="unknown run kind 'warp'"):
+        fb.runs_for(fb.BenchConfig("x", False, runs=("warp",)), python="py", repo=REPO, url="u", out=Path("/o"),
+                    ckpt=CKPT, traces=TRACES)
+
+
+def _report(cohort: str, rate: float) -> dict:
+    return {"cohorts": {cohort: {"decode_tok_s": rate}}}
+
+
+def test_reference_check():
+    good = {"single": _report("C1", 118.5), "single-run2": _report("C1", 113.0),
+            "batch": _report("C64", 3000.0), "batch-run2": _report("C64", 3100.0)}
+    check = fb.reference_check(good)
+    assert check["reproduced"] is True
+    assert check["runs"]["C1"][1] == {"run": "single-run2", "decode_tok_s": 113.0, "off_by": 113.0 / 117.8 - 1}
+    slow = {**good, "batch-run2": _report("C64", 2800.0)}  # 7.4% under
+    assert fb.reference_check(slow)["reproduced"] is False
+    missing = {**good, "single-run2": None}
+    assert fb.reference_check(missing)["reproduced"] is False and len(fb.reference_check(missing)["runs"]["C1"]) == 1
+    merged = fb.merge("stock", "cmd", good, {})
+    assert merged["reference_check"]["reproduced"] and merged["single"] == good["single"]
+    assert "reference_check" not in fb.merge("stock-mtp4", "cmd", {"single": None}, {"single": "exit 1"})
+
+
+def run_full(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(RUN_FULL), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_run_full_rejects_unknown_configs(tmp_path):
+    res = run_full(str(tmp_path / "out"), "stock", "turbo")
+    assert res.returncode == 2 and "unknown config 'turbo'" in res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_full_patched_needs_a_patched_vllm(tmp_path):
+    res = run_full(str(tmp_path / "out"), "stock", "patched-batch")
+    assert res.returncode == 2 and "need --patched-site" in res.stderr
+    res = run_full(str(tmp_path / "out"), "patched", "--patched-site", str(tmp_path))
+    assert res.returncode == 2 and "no vllm package there" in res.stderr
+
+
+def test_run_full_dry_run_lists_servers_and_runs(tmp_path):
+    res = run_full(str(tmp_path / "out"), "stock", "stock-mtp4", "patched-batch", "--patched-site", "/p",
+                   "--site", "/s", "--base-port", "19000", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    heads = [line for line in res.stdout.splitlines() if line.startswith("# ")]
+    assert [h.split()[1:4] for h in heads] == [["stock", "(port", "19000):"], ["stock-mtp4", "(port", "19001):"],
+                                             ["patched-batch", "(port", "19002):"]]
+    commands = [line for line in res.stdout.splitlines() if line.startswith("PYTHONPATH=")]
+    assert commands[0].startswith("PYTHONPATH=/s ") and commands[2].startswith("PYTHONPATH=/p:/s ")
+    assert '"num_speculative_tokens": 4' in commands[1] and "VLLM_MARLIN_INPUT_DTYPE=int8" in commands[2]
+    assert "  steps: " in res.stdout and not (tmp_path / "out").exists()

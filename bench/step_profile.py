@@ -4,11 +4,16 @@
         "torch_profiler_use_gzip": false, "torch_profiler_with_stack": false}'
     python bench/step_profile.py --url URL --trace-dir /abs/TRACES --model-dir CKPT --out OUT.json
 
-Per batch size B: B streams without the profiler give the measured time per token; the same load
-between /start_profile and /stop_profile gives a trace, which qwen_serving.stepprofile splits into
-kernel time per category and gaps. Bytes per category (weights from the checkpoint's safetensors
-headers, GDN state and KV from its config) are set against the device copy bandwidth measured here
-(--bandwidth-gbps to give it instead). Writes OUT.json and OUT.png (stacked bars).
+Per batch size B: B streams without the profiler, 4 x --tokens long, give the measured time per step:
+1000 x B / their aggregate decode rate over the window in which all B streams decode (the mean of
+the streams' own rates also counts steps that carry other streams' prefill; it is kept as
+per_stream_ms_per_token, and used only when the streams never overlapped). The same load, --tokens
+long, between /start_profile and /stop_profile gives a trace, which qwen_serving.stepprofile splits
+into kernel time per category and gaps. Bytes per category (weights from the checkpoint's
+safetensors headers, GDN state and KV from its config's shapes at the server's cache dtypes, read
+from /server_info when the server runs with VLLM_SERVER_DEV_MODE=1, else the checkpoint's, with a
+note) are set against the device copy bandwidth measured here (--bandwidth-gbps to give it instead).
+Writes OUT.json and OUT.png (stacked bars).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from conc_ladder import Client, document, stream_one  # noqa: E402
+from harness import http_get  # noqa: E402
 
 from qwen_serving import benchreport as br  # noqa: E402
 from qwen_serving import stepprofile as sp  # noqa: E402
@@ -67,6 +73,21 @@ def run_streams(client: Client, model: str, batch: int, tokens: int, salt: str) 
     if failed:
         raise RuntimeError(f"{len(failed)} of {batch} streams failed: {failed[0]}")
     return br.ladder_figures([o["start"] for o in outs], [o["times"] for o in outs])
+
+
+def server_vllm_config(client: Client) -> dict | None:
+    """The engine config from /server_info (VLLM_SERVER_DEV_MODE=1), or None with a printed note."""
+    try:
+        status, body = http_get(f"{client.base}/server_info?config_format=json", client.key, timeout=120)
+        config = json.loads(body).get("vllm_config") if status == 200 else None
+    except (OSError, ValueError, AttributeError) as e:
+        status, config = repr(e), None
+    if not isinstance(config, dict):
+        print(f"note: no engine config from {client.base}/server_info ({status}; start the server with "
+              "VLLM_SERVER_DEV_MODE=1): GDN state and KV bytes use the checkpoint config's dtypes "
+              "(every cache setting 'auto')", flush=True)
+        return None
+    return config
 
 
 def new_trace(trace_dir: Path, before: set[Path], timeout_s: float = 600.0) -> Path:
@@ -137,6 +158,8 @@ def main(argv: list[str]) -> int:
     gbps = args.bandwidth_gbps or device_copy_gbps()
     client = Client(args.url, args.api_key)
     model = client.model()
+    dtypes = sp.cache_dtypes(text_config, server_vllm_config(client))
+    print(f"cache dtypes ({dtypes['source']}): GDN state {dtypes['ssm']}, KV {dtypes['kv']}", flush=True)
     results = {}
     for batch in batches:
         salt = f"steps-{time.time_ns()}-{batch}"
@@ -149,23 +172,28 @@ def main(argv: list[str]) -> int:
         client.post("/stop_profile", {}).close()
         trace_path = new_trace(args.trace_dir, before)
         breakdown = sp.profile_steps(sp.read_trace(trace_path), batch, skip=4)
-        ms_per_token = 1000.0 / measured["per_stream_decode_tok_s"]
+        step = sp.measured_step_ms(measured, batch)
+        ms_per_token = step["ms_per_token"]
         ctx = 130 + args.tokens // 2  # ~100 words of prompt plus half the answer, on average
-        state = sp.state_bytes(text_config, batch, ctx)
+        state = sp.state_bytes(text_config, batch, ctx, ssm_dtype=dtypes["ssm"], kv_dtype=dtypes["kv"])
         moved = {"marlin_gemm": weights["marlin_gemm"], "lm_head": weights["lm_head"], "gdn": state["gdn"],
                  "attention": state["attention"]}
         results[f"C{batch}"] = {
             "batch": batch, "trace": str(trace_path), "breakdown_ms": breakdown,
-            "measured_ms_per_token": ms_per_token,
+            "measured_ms_per_token": ms_per_token, "measured_source": step["source"],
+            "window_ms_per_token": step["window_ms_per_token"],
+            "per_stream_ms_per_token": step["per_stream_ms_per_token"],
             "profiled_period_over_measured": breakdown["period"] / ms_per_token,
             "kernel_share_of_period": breakdown["busy"] / breakdown["period"],
             "bytes": moved, "bandwidth": sp.bandwidth_table(breakdown, moved, gbps) if gbps else None,
         }
-        print(f"C{batch}: period {breakdown['period']:.2f} ms (measured {ms_per_token:.2f} ms/token), kernels "
+        print(f"C{batch}: period {breakdown['period']:.2f} ms (measured {ms_per_token:.2f} ms/token, "
+              f"{step['source']}), kernels "
               f"{breakdown['busy']:.2f} ms, launch gaps {breakdown['gap_launch']:.2f}, host gaps "
               f"{breakdown['gap_host']:.2f}; Marlin {breakdown['marlin_gemm']:.2f}, lm_head {breakdown['lm_head']:.2f}, "
               f"GDN {breakdown['gdn']:.2f}, attention {breakdown['attention']:.2f}", flush=True)
     report = {"url": client.base, "model": model, "model_dir": str(args.model_dir), "device_copy_gbps": gbps,
+              "cache_dtypes": dtypes,
               "weight_bytes": weights, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": results,
               "definitions": sp.__doc__}
     br.write_json_atomic(args.out, report)

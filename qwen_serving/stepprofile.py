@@ -8,8 +8,11 @@ step's start, so the period is what one token costs a stream at steady state. Wi
 - busy = the union of kernel intervals (streams can overlap),
 - launch gaps = GPU idle between the step's first and last kernel (the host could not keep up),
 - host gaps = GPU idle outside that span (scheduling, sampling sync, bookkeeping).
-Bytes per category come from the checkpoint's safetensors headers (weights) and the model config
-(recurrent state, KV cache), and are set against a measured device bandwidth.
+Bytes per category come from the checkpoint's safetensors headers (weights) and the model config's
+shapes (recurrent state, KV cache) at the cache dtypes the server runs with (cache_dtypes: its
+/server_info engine config, else the checkpoint's), and are set against a measured device bandwidth.
+The step time measured without the profiler comes from the window in which every stream decodes
+(measured_step_ms), so other streams' prefill chunks do not inflate it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import memory
 
 CATEGORIES = ("marlin_gemm", "lm_head", "dense_gemm", "gdn", "attention", "norm_act", "sampling", "memory", "other")
 GAPS = ("gap_launch", "gap_host")
@@ -186,17 +191,96 @@ def weight_bytes(tensors: dict[str, tuple[str, list[int]]]) -> dict[str, int]:
     return out
 
 
-def state_bytes(text_config: dict, batch: int, ctx_tokens: int, state_dtype_bytes: int = 2,
-                kv_dtype_bytes: int = 2) -> dict[str, int]:
-    """Per decode step: GDN recurrent state read and written once per GDN layer and request; attention
-    reads every cached K and V of each full-attention layer (ctx_tokens per request)."""
+# Bytes per element of the dtype names vLLM 0.28.0 takes for the model, the KV cache (config/cache.py
+# CacheDType) and the GDN state (MambaDType); "torch.bfloat16" is how /server_info writes a torch.dtype.
+ELEMENT_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
+                 "fp8_e5m2": 1, "fp8_inc": 1}
+PER_TOKEN_HEAD_KV = ("int8_per_token_head", "int4_per_token_head")  # data plus per-head scales (memory.py)
+
+
+def _dtype_name(name: str) -> str:
+    return str(name).removeprefix("torch.").lower()
+
+
+def element_bytes(dtype: str) -> int:
+    name = _dtype_name(dtype)
+    if name not in ELEMENT_BYTES:
+        raise ValueError(f"no byte size known for dtype {dtype!r} (known: {', '.join(ELEMENT_BYTES)})")
+    return ELEMENT_BYTES[name]
+
+
+def kv_bytes_per_token_layer(kv_dtype: str, kv_heads: int, head_dim: int) -> int:
+    """Bytes of one token's K and V in one attention layer, at a resolved KV cache dtype."""
+    name = _dtype_name(kv_dtype)
+    if name in PER_TOKEN_HEAD_KV:
+        return memory.kv_bytes_per_token_layer(name, kv_heads, head_dim)
+    return 2 * kv_heads * head_dim * element_bytes(name)
+
+
+def cache_dtypes(text_config: dict, vllm_config: dict | None = None) -> dict[str, str]:
+    """The GDN recurrent-state and KV cache dtypes of a vLLM 0.28.0 server, resolved as vLLM does.
+
+    vllm_config is the engine config as `GET /server_info?config_format=json` returns it (a server
+    started with VLLM_SERVER_DEV_MODE=1): its cache_config's mamba_ssm_cache_dtype, mamba_cache_dtype
+    and cache_dtype, and model_config's dtype. None (no /server_info) = every cache setting "auto",
+    the model dtype from the checkpoint: what a server started without cache flags runs with.
+    - ssm: mamba_ssm_cache_dtype unless "auto"; else the checkpoint's mamba_ssm_dtype (vLLM's Qwen3.5
+      config hook, model_executor/models/config.py, sets it so at start-up); else mamba_cache_dtype
+      unless "auto"; else the model dtype (mamba_utils.py _mamba_state_dtype).
+    - kv: cache_dtype unless "auto"; else the model dtype (fp8 = fp8_e4m3, one byte).
+    Both are checked to have a known byte size here, before anything is measured.
+    """
+    cache = (vllm_config or {}).get("cache_config") or {}
+    model = (vllm_config or {}).get("model_config") or {}
+    model_dtype = _dtype_name(model.get("dtype") or text_config.get("dtype") or text_config.get("torch_dtype")
+                              or "bfloat16")
+    ssm = cache.get("mamba_ssm_cache_dtype", "auto")
+    if ssm == "auto":
+        ssm = text_config.get("mamba_ssm_dtype") or "auto"
+    if ssm == "auto":
+        ssm = cache.get("mamba_cache_dtype", "auto")
+    if ssm == "auto":
+        ssm = model_dtype
+    kv = cache.get("cache_dtype", "auto")
+    if kv == "auto":
+        kv = model_dtype
+    out = {"ssm": _dtype_name(ssm), "kv": _dtype_name(kv), "model": model_dtype,
+           "source": "server" if vllm_config else "checkpoint"}
+    element_bytes(out["ssm"])
+    kv_bytes_per_token_layer(out["kv"], 1, 2)
+    return out
+
+
+def state_bytes(text_config: dict, batch: int, ctx_tokens: int, *, ssm_dtype: str, kv_dtype: str) -> dict[str, int]:
+    """Per decode step: GDN recurrent state (at ssm_dtype) read and written once per GDN layer and
+    request; attention reads every cached K and V (at kv_dtype) of each full-attention layer
+    (ctx_tokens per request). Dtypes as cache_dtypes resolves them."""
     types = text_config["layer_types"]
     gdn_layers = sum(t == "linear_attention" for t in types)
     attn_layers = sum(t == "full_attention" for t in types)
     state = (text_config["linear_num_value_heads"] * text_config["linear_key_head_dim"]
-             * text_config["linear_value_head_dim"] * state_dtype_bytes)
-    kv = 2 * text_config["num_key_value_heads"] * text_config["head_dim"] * kv_dtype_bytes
+             * text_config["linear_value_head_dim"] * element_bytes(ssm_dtype))
+    kv = kv_bytes_per_token_layer(kv_dtype, text_config["num_key_value_heads"], text_config["head_dim"])
     return {"gdn": 2 * gdn_layers * batch * state, "attention": attn_layers * batch * ctx_tokens * kv}
+
+
+# ---- measured step time --------------------------------------------------------------------------
+
+def measured_step_ms(figures: dict, batch: int) -> dict:
+    """Milliseconds per decode step of `batch` concurrent streams measured without the profiler, from
+    qwen_serving.benchreport.ladder_figures. One step makes one token per stream (no speculation), so
+    the step time is 1000 x batch / aggregate_decode_tok_s, the rate over the window in which every
+    stream decodes. The mean of each stream's own rate (per_stream) is slower: a stream's decode
+    window also holds the steps that carry the other streams' prefill chunks. It is the fallback when
+    the streams never overlapped (aggregate None); at batch 1 the two are the same."""
+    aggregate, per_stream = figures.get("aggregate_decode_tok_s"), figures.get("per_stream_decode_tok_s")
+    window_ms = 1000.0 * batch / aggregate if aggregate else None
+    per_stream_ms = 1000.0 / per_stream if per_stream else None
+    if window_ms is None and per_stream_ms is None:
+        raise ValueError("no decode rate measured (every stream produced a single token)")
+    return {"ms_per_token": window_ms if window_ms is not None else per_stream_ms,
+            "source": "all-streams-decoding window" if window_ms is not None else "per-stream mean (no overlap)",
+            "window_ms_per_token": window_ms, "per_stream_ms_per_token": per_stream_ms}
 
 
 def bandwidth_table(breakdown_ms: dict[str, float], bytes_by_category: dict[str, int],

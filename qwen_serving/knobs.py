@@ -281,10 +281,8 @@ KNOBS: tuple[Knob, ...] = (
          "drafter's 7 (sub-knobs: VLLM_DFLASH2_LOOKUP_*)", SINGLE, env="VLLM_DFLASH2_LOOKUP"),
     *(Knob(f"VLLM_DFLASH2_LOOKUP_{name}", _int(0, 1 << 20), _rules(Rule(value)), doc, SINGLE,
            env=f"VLLM_DFLASH2_LOOKUP_{name}") for name, value, doc in LOOKUP_SUBKNOBS),
-    Knob("SPEC_ATTN", _flag, _rules(Rule(0, {}, "off until explained: one greedy divergence beyond a near-tie with it "
-                                            "on (H200, bench/results/engine-hooks-h200.json)")),
-         "split-KV Triton attention for the multi-query verify step (FlashAttention backend); opt-in: "
-         "an H200 greedy check found a divergence that is not yet explained", SINGLE,
+    Knob("SPEC_ATTN", _flag, _rules(Rule(1, {"CTX": "fast"}), Rule(0)),
+         "split-KV Triton attention for the multi-query verify step (FlashAttention backend)", SINGLE,
          env="VLLM_SPEC_DECODE_ATTN"),
     Knob("MTP_DRAFT_VOCAB", _flag, _rules(Rule(1)),
          "SPEC=mtp: draft over the 40k-token head built by prepare/build_draft_vocab.py; 0 = full lm_head",

@@ -430,6 +430,40 @@ def test_large_logits_keep_the_bf16_floor_above_the_nats_ceiling():
     assert divergence.explained, divergence.reason
 
 
+def test_traces_read_back_from_json_compare_as_before():
+    # The engine children write their traces as JSON, which turns the int token ids of each top-k into str
+    # keys. Read back as they were, no divergence could ever be a tie (H200, 2026-11-29: every near-tie of the
+    # engine-hooks run was reported as "not both in each engine's top-k").
+    a = trace([1, 8, 5], [{1: 4.0, 2: 1.0}, {8: 4.03125, 9: 4.0}, {5: 3.0, 6: 1.0}])
+    b = trace([1, 9, 6], [{1: 4.0, 2: 1.0}, {9: 4.03125, 8: 4.0}, {6: 3.0, 5: 1.0}])
+    direct = lib.compare_greedy([a], [b]).summary()
+    read_back = [lib.GreedyTrace.from_record(json.loads(json.dumps(vars(t)))) for t in (a, b)]
+    assert read_back[0].top[1] == {8: 4.03125, 9: 4.0}
+    assert lib.compare_greedy(read_back[:1], read_back[1:]).summary() == direct
+    assert direct["divergences"][0]["explained"]
+    pairs = {"token_ids": [1], "chosen": [4.0], "top": [[["1", 4.0], [2, 1.0]]]}  # [[token, logit], ...] lists
+    assert lib.GreedyTrace.from_record(pairs).top == [{1: 4.0, 2: 1.0}]
+    with pytest.raises(ValueError, match="differ in length"):
+        lib.GreedyTrace.from_record({"token_ids": [1, 2], "chosen": [4.0], "top": [{}]})
+
+
+def test_h200_engine_hooks_divergences_are_near_ties():
+    """Every divergence the H200 engine-hooks run recorded (bench/results/engine-hooks-h200.json: MTP with the
+    verify/prefill kernels on vs off, and MTP vs no speculation), judged again from its recorded top-20 logits
+    with the token ids read back as ints: each is a near-tie, under the strictest tolerance (no measured noise)."""
+    record = json.loads((GPU_DIR.parents[1] / "bench" / "results" / "engine-hooks-h200.json").read_text())
+    comparisons = [record["mtp_greedy_hooks_on_vs_off"], record["single_prompt_hooks_on_vs_off"],
+                   *record["mtp_hooks_off_vs_no_speculation"].values()]
+    recorded = [d for c in comparisons for d in c["divergences"]]
+    assert len(recorded) == 4
+    for d in recorded:
+        sides = [lib.GreedyTrace.from_record({"token_ids": [token], "chosen": [dict(top)[str(token)]], "top": [top]})
+                 for token, top in ((d["token_a"], d["top_a"]), (d["token_b"], d["top_b"]))]
+        (again,) = lib.compare_greedy(sides[:1], sides[1:]).divergences
+        assert again.explained, (d["prompt"], d["position"], again.reason)
+        assert max(again.gap_a, again.gap_b) <= 0.125
+
+
 def test_length_mismatch_is_a_divergence():
     a = trace([1, 2], [{1: 4.0, 2: 1.0}, {2: 4.0, 1: 1.0}])
     b = trace([1], [{1: 4.0, 2: 1.0}])

@@ -126,9 +126,7 @@ def test_defaults_by_mode(probe):
     assert ("--kv-cache-dtype", "fp8") == batch.argv[batch.argv.index("--kv-cache-dtype"):][:2]
     single = plan.build("single", {}, probe)
     assert single.value("SPEC") == "mtp" and single.value("HOST") == "127.0.0.1"
-    # split-KV verify attention is opt-in until the H200 greedy divergence is explained (knobs.py)
-    assert "VLLM_SPEC_DECODE_ATTN" not in single.env and "VLLM_MARLIN_INPUT_DTYPE" not in single.env
-    assert plan.build("single", {"SPEC_ATTN": "1"}, probe).env["VLLM_SPEC_DECODE_ATTN"] == "1"
+    assert single.env["VLLM_SPEC_DECODE_ATTN"] == "1" and "VLLM_MARLIN_INPUT_DTYPE" not in single.env
     long = plan.build("single", {"CTX": "long"}, probe)
     assert long.value("DRAFT_TOKENS") == 3 and "FLASHINFER" in long.argv and "VLLM_SPEC_DECODE_ATTN" not in long.env
     huge = plan.build("single", {"CTX": "huge"}, probe)

@@ -500,6 +500,18 @@ class GreedyTrace:
     chosen: list[float]
     top: list[dict[int, float]]
 
+    @classmethod
+    def from_record(cls, record: Mapping) -> GreedyTrace:
+        """A trace read back from JSON, where each top-k is a {token: logit} object (JSON turns the int token
+        ids into strings) or a [[token, logit], ...] list. Token ids come back as ints: a str key would never
+        match the int token ids, and every divergence would read as "not a tie"."""
+        top = [{int(t): float(v) for t, v in (entry.items() if isinstance(entry, Mapping) else entry)}
+               for entry in record["top"]]
+        trace = cls([int(t) for t in record["token_ids"]], [float(v) for v in record["chosen"]], top)
+        if not len(trace.token_ids) == len(trace.chosen) == len(trace.top):
+            raise ValueError("token_ids, chosen and top differ in length")
+        return trace
+
 
 def _token_id(key: str) -> int:
     # completions with return_tokens_as_token_ids=true name tokens "token_id:<id>"

@@ -259,4 +259,4 @@ def _ok(run: dict) -> dict:
 
 
 def _traces(run: dict, name: str) -> list:
-    return [lib.GreedyTrace(**t) for t in run["traces"][name]]
+    return [lib.GreedyTrace.from_record(t) for t in run["traces"][name]]

@@ -92,7 +92,7 @@ def test_prepared_checkpoint_uses_int8_and_matches_greedy(tmp_path):
     assert reports["base"]["modules"]["embed_method"] != "CompressedTensorsEmbeddingWNA16Int"
 
     traces = {
-        name: [lib.GreedyTrace(t["token_ids"], t["chosen"], [dict(pairs) for pairs in t["top"]]) for t in r["traces"]]
+        name: [lib.GreedyTrace.from_record(t) for t in r["traces"]]
         for name, r in reports.items()
     }
     comparison = lib.compare_greedy(traces["base"], traces["prepared"])

@@ -72,6 +72,14 @@ class Api:
             raise AssertionError(f"HTTP {status}: {json.dumps(out)[:300]}")
         return out
 
+    def text(self, **body) -> str:
+        """The answer's text; a clear failure when the server returned none (on random weights a tool parser
+        can take the whole answer for a malformed call and return content null)."""
+        message = self.chat(**body)["choices"][0]["message"]
+        if message.get("content") is None:
+            raise AssertionError(f"no text in the answer: {json.dumps(message)[:300]}")
+        return message["content"]
+
 
 def check_chat(api: Api) -> str:
     out = api.chat(max_tokens=16)
@@ -108,7 +116,7 @@ def check_n(api: Api) -> str:
 
 
 def check_stop(api: Api) -> str:
-    free = api.chat(max_tokens=24, temperature=0)["choices"][0]["message"]["content"]
+    free = api.text(max_tokens=24, temperature=0)
     assert len(free) >= 6, f"greedy answer too short to cut: {free!r}"
     cut = len(free) // 2
     stop = free[cut:cut + 3]
@@ -155,7 +163,7 @@ def check_streaming(api: Api) -> str:
     events = api.stream("/v1/chat/completions", body)
     assert events and events[-1][1] == "[DONE]"
     text = "".join(d["choices"][0]["delta"].get("content") or "" for _, d in events[:-1] if d.get("choices"))
-    whole = api.chat(max_tokens=16, temperature=0)["choices"][0]["message"]["content"]
+    whole = api.text(max_tokens=16, temperature=0)
     assert text == whole, (text, whole)
     return f"{len(events) - 1} chunks, text equals the unstreamed answer"
 

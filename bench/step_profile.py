@@ -140,19 +140,96 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def analyze(trace_path: Path, batch: int, step: dict, ctx: int, text_config: dict, weights: dict, dtypes: dict,
+            gbps: float | None) -> dict:
+    """One batch size's figures from its trace and the step time measured without the profiler."""
+    trace = sp.read_trace(trace_path)
+    breakdown = sp.profile_steps(trace, batch, skip=4)
+    ms_per_token = step["ms_per_token"]
+    state = sp.state_bytes(text_config, batch, ctx, ssm_dtype=dtypes["ssm"], kv_dtype=dtypes["kv"])
+    moved = {"marlin_gemm": weights["marlin_gemm"], "lm_head": weights["lm_head"], "gdn": state["gdn"],
+             "attention": state["attention"]}
+    return {
+        "batch": batch, "trace": str(trace_path), "breakdown_ms": breakdown,
+        "measured_ms_per_token": ms_per_token, "measured_source": step["source"],
+        "window_ms_per_token": step["window_ms_per_token"], "per_stream_ms_per_token": step["per_stream_ms_per_token"],
+        "profiled_period_over_measured": breakdown["period"] / ms_per_token,
+        "kernel_share_of_period": breakdown["busy"] / breakdown["period"],
+        "bytes": moved, "bandwidth": sp.bandwidth_table(breakdown, moved, gbps) if gbps else None,
+        "top_kernels": sp.kernel_table(trace, batch, skip=4), "context_tokens": ctx,
+    }
+
+
+def print_result(name: str, r: dict) -> None:
+    b = r["breakdown_ms"]
+    print(f"{name}: period {b['period']:.2f} ms (measured {r['measured_ms_per_token']:.2f} ms/token, "
+          f"{r['measured_source']}), kernels {b['busy']:.2f} ms, launch gaps {b['gap_launch']:.2f}, host gaps "
+          f"{b['gap_host']:.2f}; Marlin {b['marlin_gemm']:.2f}, lm_head {b['lm_head']:.2f}, GDN {b['gdn']:.2f}, "
+          f"attention {b['attention']:.2f}", flush=True)
+
+
+def reanalyze(args: argparse.Namespace) -> int:
+    """Figures of an earlier report computed again from its saved traces with this code (the measured step
+    times are the report's own: they need the server)."""
+    old = json.loads(args.reanalyze.read_text())
+    if not args.model_dir or not (args.model_dir / "config.json").is_file():
+        args_error("--reanalyze needs --model-dir: a folder with the checkpoint's config.json (its safetensors "
+                   "too, or the report's weight bytes are kept)")
+    config = json.loads((args.model_dir / "config.json").read_text())
+    text_config = config.get("text_config", config)
+    weights = model_bytes(args.model_dir)[0] if any(args.model_dir.glob("*.safetensors")) else old["weight_bytes"]
+    vllm_config = None
+    if args.server_report:
+        vllm_config = (json.loads(args.server_report.read_text()).get("server") or {}).get("vllm_config")
+    dtypes = sp.cache_dtypes(text_config, vllm_config)
+    results = {}
+    for name, r in old["steps"].items():
+        trace = args.trace_dir / Path(r["trace"]).name
+        if not trace.is_file():
+            args_error(f"{trace}: not there (--trace-dir holds the report's traces by file name)")
+        step = {"ms_per_token": r["measured_ms_per_token"], "source": r.get("measured_source", "per-stream mean"),
+                "window_ms_per_token": r.get("window_ms_per_token"),
+                "per_stream_ms_per_token": r.get("per_stream_ms_per_token", r["measured_ms_per_token"])}
+        ctx = r.get("context_tokens", 130 + args.tokens // 2)
+        results[name] = analyze(trace, r["batch"], step, ctx, text_config, weights, dtypes, old.get("device_copy_gbps"))
+        print_result(name, results[name])
+    report = {**old, "cache_dtypes": dtypes, "weight_bytes": weights, "steps": results, "definitions": sp.__doc__,
+              "reanalyzed": {"from": str(args.reanalyze), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                             "note": "breakdown, bytes and kernel table recomputed from the saved traces; "
+                                     "measured step times as recorded on the device"}}
+    br.write_json_atomic(args.out, report)
+    plot(results, args.out.with_suffix(".png"))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def args_error(message: str) -> None:
+    print(f"step_profile: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:18020")
     p.add_argument("--api-key")
     p.add_argument("--trace-dir", type=Path, required=True, help="the server's torch_profiler_dir")
-    p.add_argument("--model-dir", type=Path, required=True, help="the served checkpoint (safetensors + config)")
+    p.add_argument("--model-dir", type=Path, help="the served checkpoint (safetensors + config); required unless "
+                                                   "--reanalyze")
     p.add_argument("--batches", default="1,64")
     p.add_argument("--tokens", type=int, default=48, help="answer length of the profiled requests")
     p.add_argument("--bandwidth-gbps", type=float, help="device copy bandwidth (default: measured here)")
+    p.add_argument("--reanalyze", type=Path, metavar="REPORT.json",
+                   help="no server: recompute REPORT's figures from its traces (in --trace-dir) with this code")
+    p.add_argument("--server-report", type=Path, help="with --reanalyze: a harness report of the same server "
+                                                       "(its engine config gives the cache dtypes)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     if not args.trace_dir.is_dir():
         p.error(f"--trace-dir {args.trace_dir}: not a folder")
+    if args.reanalyze:
+        return reanalyze(args)
+    if not args.model_dir:
+        p.error("--model-dir is required")
     batches = [int(b) for b in args.batches.split(",")]
     weights, text_config = model_bytes(args.model_dir)
     gbps = args.bandwidth_gbps or device_copy_gbps()
@@ -161,6 +238,7 @@ def main(argv: list[str]) -> int:
     dtypes = sp.cache_dtypes(text_config, server_vllm_config(client))
     print(f"cache dtypes ({dtypes['source']}): GDN state {dtypes['ssm']}, KV {dtypes['kv']}", flush=True)
     results = {}
+    ctx = 130 + args.tokens // 2  # ~100 words of prompt plus half the answer, on average
     for batch in batches:
         salt = f"steps-{time.time_ns()}-{batch}"
         print(f"C{batch}: measuring without the profiler ...", flush=True)
@@ -171,27 +249,9 @@ def main(argv: list[str]) -> int:
         run_streams(client, model, batch, args.tokens, salt + "-profile")
         client.post("/stop_profile", {}).close()
         trace_path = new_trace(args.trace_dir, before)
-        breakdown = sp.profile_steps(sp.read_trace(trace_path), batch, skip=4)
-        step = sp.measured_step_ms(measured, batch)
-        ms_per_token = step["ms_per_token"]
-        ctx = 130 + args.tokens // 2  # ~100 words of prompt plus half the answer, on average
-        state = sp.state_bytes(text_config, batch, ctx, ssm_dtype=dtypes["ssm"], kv_dtype=dtypes["kv"])
-        moved = {"marlin_gemm": weights["marlin_gemm"], "lm_head": weights["lm_head"], "gdn": state["gdn"],
-                 "attention": state["attention"]}
-        results[f"C{batch}"] = {
-            "batch": batch, "trace": str(trace_path), "breakdown_ms": breakdown,
-            "measured_ms_per_token": ms_per_token, "measured_source": step["source"],
-            "window_ms_per_token": step["window_ms_per_token"],
-            "per_stream_ms_per_token": step["per_stream_ms_per_token"],
-            "profiled_period_over_measured": breakdown["period"] / ms_per_token,
-            "kernel_share_of_period": breakdown["busy"] / breakdown["period"],
-            "bytes": moved, "bandwidth": sp.bandwidth_table(breakdown, moved, gbps) if gbps else None,
-        }
-        print(f"C{batch}: period {breakdown['period']:.2f} ms (measured {ms_per_token:.2f} ms/token, "
-              f"{step['source']}), kernels "
-              f"{breakdown['busy']:.2f} ms, launch gaps {breakdown['gap_launch']:.2f}, host gaps "
-              f"{breakdown['gap_host']:.2f}; Marlin {breakdown['marlin_gemm']:.2f}, lm_head {breakdown['lm_head']:.2f}, "
-              f"GDN {breakdown['gdn']:.2f}, attention {breakdown['attention']:.2f}", flush=True)
+        results[f"C{batch}"] = analyze(trace_path, batch, sp.measured_step_ms(measured, batch), ctx, text_config,
+                                       weights, dtypes, gbps)
+        print_result(f"C{batch}", results[f"C{batch}"])
     report = {"url": client.base, "model": model, "model_dir": str(args.model_dir), "device_copy_gbps": gbps,
               "cache_dtypes": dtypes,
               "weight_bytes": weights, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": results,

@@ -36,7 +36,8 @@ _RULES = (  # first match wins; lower-case substrings of the kernel name
     ("dense_gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
     ("sampling", ("sampl", "topk", "top_k", "top_p", "argmax", "argsort", "multinomial", "exponential",
                   "softmax", "penalt", "cumsum", "radix", "sort")),
-    ("norm_act", ("norm", "rsqrt", "silu", "gelu", "act_and_mul", "swiglu", "sigmoid", "softplus")),
+    ("norm_act", ("norm", "rsqrt", "silu", "gelu", "act_and_mul", "swiglu", "sigmoid", "softplus",
+                  "per_token_quant")),  # W4A8: int8 quantization of each GEMM's activations
     ("memory", ("memcpy", "memset")),
 )
 _STEP = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
@@ -45,6 +46,10 @@ GEMM_CATEGORIES = ("marlin_gemm", "dense_gemm")
 
 def categorize(kernel_name: str) -> str:
     name = kernel_name.lower()
+    if name.startswith("triton_") and "fused" in name:
+        # an inductor fusion is named after every op it holds, custom ops included: the RMSNorm feeding a
+        # Marlin GEMM is "triton_red_fused_..._rms_norm_marlin_gemm_0", yet the GEMM runs in its own kernel
+        name = name.replace("marlin_gemm", "")
     for category, needles in _RULES:
         if any(n in name for n in needles):
             return category
@@ -154,6 +159,25 @@ def profile_steps(trace: dict, batch: int, skip: int = 2) -> dict:
     mean = {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
     mean["steps"] = len(per_step)
     return mean
+
+
+def kernel_table(trace: dict, batch: int, skip: int = 2, top: int = 20) -> list[dict]:
+    """The kernels of the decode steps profile_steps averages, by name: microseconds and calls per step,
+    largest first (`top` of them), with each name's category."""
+    kernels, marks = trace_events(trace)
+    windows = decode_steps(marks, batch)[skip:]
+    if not windows:
+        return []
+    time_us: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for start, end in windows:
+        for k in kernels:
+            if start <= k.start_us < end:
+                time_us[k.name] = time_us.get(k.name, 0.0) + k.dur_us
+                calls[k.name] = calls.get(k.name, 0) + 1
+    rows = sorted(time_us, key=time_us.__getitem__, reverse=True)[:top]
+    return [{"name": n, "category": categorize(n), "us_per_step": time_us[n] / len(windows),
+             "calls_per_step": calls[n] / len(windows)} for n in rows]
 
 
 # ---- bytes moved ---------------------------------------------------------------------------------

@@ -42,6 +42,11 @@ def trace() -> dict:
     ("sm90_xmma_gemm_bf16bf16_bf16f32", "dense_gemm"),
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm_act"),
     ("void vllm::act_and_mul_kernel<...>", "norm_act"),
+    # inductor fusions named after the custom op they feed (H200 traces, 2026-11-29): not the GEMM itself
+    ("triton_red_fused__to_copy_add_fused_add_rms_norm_marlin_gemm_0", "norm_act"),
+    ("triton_poi_fused_marlin_gemm_mul_silu_slice_1", "norm_act"),
+    ("_per_token_quant_int8", "norm_act"),
+    ("void marlin::Marlin<1125899906909960l, 1125899907892224l, 256, 1, 8, 8>(...)", "marlin_gemm"),
     ("void at::native::reduce_kernel<ArgMaxOps<float>>", "sampling"),
     ("Memcpy DtoH (Device -> Pinned)", "memory"),
     ("void at::native::vectorized_elementwise_kernel<4, DivFunctor>", "other"),
@@ -273,3 +278,15 @@ def test_bandwidth_table():
     assert m["roofline_ms"] == pytest.approx(3.75)  # 15 GB at 4,000 GB/s
     assert m["fraction_of_device"] == pytest.approx(0.75)
     assert t["lm_head"]["achieved_gbps"] == 0.0  # no time measured: nothing to divide
+
+
+def test_kernel_table(trace):
+    table = sp.kernel_table(trace, batch=1, skip=2, top=3)
+    assert len(table) == 3 and table == sorted(table, key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in sp.kernel_table(trace, batch=1, skip=2, top=100))
+    prof = sp.profile_steps(trace, batch=1, skip=2)
+    categories = [c for c in sp.CATEGORIES if c != "lm_head"] + ["lm_head"]
+    assert total / 1000 == pytest.approx(sum(prof[c] for c in categories))  # the same kernels, by name
+    assert sum(r["calls_per_step"] for r in sp.kernel_table(trace, batch=1, skip=2, top=100)) == prof["kernels"]
+    assert sp.kernel_table(trace, batch=7) == []
+

@@ -106,6 +106,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"unknown config {unknown[0]!r} (one of {', '.join(fb.CONFIGS)})")
     if len(set(args.configs)) != len(args.configs):
         p.error("a config is named twice")
+    alone = [c for c in args.configs if not fb.CONFIGS[c].shared_start]
+    if alone and len(args.configs) > 1:
+        p.error(f"{alone[0]} boots with vLLM's memory profiling, which servers beside it would upset: run it alone")
     if any(fb.CONFIGS[c].patched for c in args.configs):
         if not args.patched_site:
             p.error("patched configs need --patched-site (a folder holding the patched vllm package)")

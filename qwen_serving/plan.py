@@ -374,6 +374,11 @@ def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require
     if cache and kv_mem is not None and not cache.fits(kv_mem, max_len):
         _refuse(f"MAX_LEN={max_len} does not fit one request in a {kv_mem / memory.GiB:.2f} GiB pool "
                 f"(longest that fits: {cache.longest_context(kv_mem)}); lower MAX_LEN or raise KV_MEM")
+    if cache and kv_mem is not None and s["MAX_SEQS"] > cache.num_blocks(kv_mem):
+        # vLLM 0.28.0 stops at CUDA-graph capture: every decode sequence needs a GDN state block (H200, 2026-11-29)
+        _refuse(f"MAX_SEQS={s['MAX_SEQS']} is more than the {cache.num_blocks(kv_mem)} blocks of a "
+                f"{kv_mem / memory.GiB:.2f} GiB pool (vLLM needs one GDN state block per sequence); lower MAX_SEQS "
+                "or raise KV_MEM")
     if kv_mem is None and s["KV_MEM"] == "":
         derived.append(Derived("pool", f"--gpu-memory-utilization {s['GPU_UTIL']}", "KV_MEM empty: vLLM sizes it"))
 

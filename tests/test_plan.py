@@ -192,6 +192,13 @@ def test_refuse_max_len_beyond_the_pool(probe):
     assert plan.build("single", {"SPEC": "dflash2", "MAX_LEN": "131072", "KV_MEM": "10GiB"}, probe)
 
 
+def test_refuse_more_seats_than_pool_blocks(probe):
+    # batch plan shapes: 26.2 MB blocks (fp8 KV, fp16 state), so 1.5 GB hold 57 blocks < 64 seats
+    msg = refused("batch", {"KV_MEM": "1500000000", "MAX_LEN": "8192"}, probe, "more than the 57 blocks")
+    assert "lower MAX_SEQS or raise KV_MEM" in msg
+    assert plan.build("batch", {"KV_MEM": "1500000000", "MAX_LEN": "8192", "MAX_SEQS": "57"}, probe)
+
+
 @pytest.mark.parametrize(("env", "needle"), [
     ({"PORT": "http"}, "not an integer"),
     ({"PORT": "70000"}, "outside 1..65535"),

@@ -56,7 +56,7 @@ class BenchConfig:
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("stock", False, kv_bytes=28 * GB, max_num_seqs=128, runs=("single", "batch", "repeat", "ladder", "steps"),
                 what="stock vLLM 0.28.0, no speculation: the reference figures"),
-    BenchConfig("stock-ref", False, runs=("batch", "repeat"), shared_start=False,
+    BenchConfig("stock-ref", False, runs=("single-c1", "batch", "repeat"), shared_start=False,
                 what="stock exactly as the issue's reference was launched (utilization 0.9, vLLM's default seats, "
                      "no profiler); boots alone"),
     BenchConfig("stock-mtp4", False, 4, what="stock, MTP k=4: the cost of a verify step"),

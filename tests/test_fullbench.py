@@ -119,6 +119,9 @@ def test_runs_follow_the_config():
     mtp = fb.runs_for(fb.CONFIGS["stock-mtp7"], python="py", repo=REPO, url="u", out=Path("/o"), ckpt=CKPT,
                       traces=TRACES)
     assert [r.part for r in mtp] == ["single"]
+    ref = fb.runs_for(fb.CONFIGS["stock-ref"], python="py", repo=REPO, url="u", out=Path("/o"), ckpt=CKPT,
+                      traces=TRACES)
+    assert [r.part for r in ref] == ["single", "batch", "single-run2", "batch-run2"]  # what reference_check reads
     with pytest.raises(ValueError, match="unknown run kind 'warp'"):
         fb.runs_for(fb.BenchConfig("x", False, runs=("warp",)), python="py", repo=REPO, url="u", out=Path("/o"),
                     ckpt=CKPT, traces=TRACES)

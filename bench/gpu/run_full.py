@@ -77,7 +77,7 @@ class Server:
 
 def device_copy_gbps(python: str, pythonpath: str) -> float | None:
     """Measured before any server holds the GPU (step_profile.py would otherwise need 2 GB beside them)."""
-    code = "import sys, step_profile; g = step_profile.device_copy_gbps(); print(g if g else '')"
+    code = "import step_profile; g = step_profile.device_copy_gbps(); print(g if g else '')"
     res = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=REPO / "bench",
                          env={**os.environ, "PYTHONPATH": pythonpath}, timeout=300)
     try:

@@ -3,6 +3,7 @@ parser, the measurements each config runs, the stock-reproduction check, and ben
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -92,16 +93,25 @@ def test_pools_seat_the_largest_cohort():
     assert stock.num_blocks(fb.CONFIGS["stock"].kv_bytes) == 544
 
 
-def test_memory_model_matches_the_h200_boot_lines():
-    """'GPU KV cache size: N tokens' as the three full-shape servers printed it on the H200 (2026-11-29)."""
+def test_memory_model_matches_the_h200_servers():
+    """The three full-shape servers of the H200 run (2026-11-29): their block count and block size as the
+    harness recorded them (bench/results/h200-full-<config>-single.json, from /metrics), and the
+    'GPU KV cache size: N tokens' line each printed at boot (server logs, not kept)."""
     from qwen_serving.memory import CacheShape
 
-    stock = CacheShape(state_dtype="float32", prefix_cache=True, kv_group_fix=False)
-    mtp4 = CacheShape(state_dtype="float32", spec="mtp", spec_tokens=4, prefix_cache=True, kv_group_fix=False)
-    batch = CacheShape(kv_dtype="fp8", state_dtype="float16", prefix_cache=True)
-    assert stock.pool_tokens(fb.CONFIGS["stock"].kv_bytes, fb.MAX_LEN) == 377_665
-    assert mtp4.pool_tokens(fb.CONFIGS["stock-mtp4"].kv_bytes, fb.MAX_LEN) == 83_107
-    assert batch.pool_tokens(fb.CONFIGS["patched-batch"].kv_bytes, fb.MAX_LEN) == 430_786
+    shapes = {
+        "stock": (CacheShape(state_dtype="float32", prefix_cache=True, kv_group_fix=False), 377_665),
+        "stock-mtp4": (CacheShape(state_dtype="float32", spec="mtp", spec_tokens=4, prefix_cache=True,
+                                  kv_group_fix=False), 83_107),
+        "patched-batch": (CacheShape(kv_dtype="fp8", state_dtype="float16", prefix_cache=True), 430_786),
+    }
+    for name, (shape, boot_tokens) in shapes.items():
+        report = json.loads((REPO / "bench" / "results" / f"h200-full-{name}-single.json").read_text())
+        recorded = report["server"]["cache_config"]
+        kv_bytes = fb.CONFIGS[name].kv_bytes
+        assert shape.num_blocks(kv_bytes) == int(recorded["num_gpu_blocks"]), name
+        assert shape.block_size == int(recorded["block_size"]), name
+        assert shape.pool_tokens(kv_bytes, fb.MAX_LEN) == boot_tokens, name
 
 
 def test_runs_follow_the_config():

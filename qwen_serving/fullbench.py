@@ -46,13 +46,14 @@ class BenchConfig:
     kv_bytes: int = 8 * GB
     max_num_seqs: int = 16  # vLLM 0.28.0 refuses more seats than the pool has GDN state blocks (CUDA graphs)
     shared_start: bool = True  # False: vLLM's own memory profiling and defaults, so it must boot alone
+    state_dtype: str | None = None  # --mamba-ssm-cache-dtype; None keeps the checkpoint's (float32)
     runs: tuple[str, ...] = ("single-c1",)
     what: str = ""
 
 
 # Pools: stock keeps vLLM's fp32 recurrent state (the checkpoint's mamba_ssm_dtype); with prefix caching on, one
 # request holds 3 GDN groups x 2 state blocks of 51 MB (memory.CacheShape). 28 GB seats 77 requests of 640 tokens;
-# 8 GB seats 7 MTP requests, and holds one MAX_LEN request.
+# 8 GB seats 7 MTP requests, and holds one MAX_LEN request; 16 GB with fp16 state seats 76.
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("stock", False, kv_bytes=28 * GB, max_num_seqs=128, runs=("single", "batch", "repeat", "ladder", "steps"),
                 what="stock vLLM 0.28.0, no speculation: the reference figures"),
@@ -61,7 +62,10 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                      "no profiler); boots alone"),
     BenchConfig("stock-mtp4", False, 4, what="stock, MTP k=4: the cost of a verify step"),
     BenchConfig("stock-mtp7", False, 7, what="stock, MTP k=7: the cost of a verify step"),
-    BenchConfig("patched", True, kv_bytes=28 * GB, max_num_seqs=128, runs=("single-c1", "batch", "steps"),
+    BenchConfig("stock-fp16state", False, kv_bytes=16 * GB, max_num_seqs=128, state_dtype="float16",
+                runs=("single-c1", "batch", "steps"),
+                what="stock with the GDN state in fp16 (half its traffic): the state's share of a C64 step"),
+    BenchConfig("patched", True, kv_bytes=28 * GB, max_num_seqs=128, runs=("single-c1", "batch"),
                 what="the patch series with the stock flags: patches at their defaults"),
     BenchConfig("patched-mtp4", True, 4, env={"VLLM_SPEC_DECODE_ATTN": "1"},
                 what="patched, MTP k=4, verify attention on qwen_serving.kernels.spec_attn"),
@@ -110,6 +114,8 @@ def server_command(cfg: BenchConfig, *, python: str, ckpt: Path, port: int, trac
         argv += ["--kv-cache-memory-bytes", str(cfg.kv_bytes), "--max-num-seqs", str(cfg.max_num_seqs), *shared]
     else:
         argv += ["--gpu-memory-utilization", "0.9"]
+    if cfg.state_dtype:
+        argv += ["--mamba-ssm-cache-dtype", cfg.state_dtype]
     if cfg.spec_tokens:
         argv += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": cfg.spec_tokens})]
     return ServerCommand(tuple(argv), env)

@@ -68,6 +68,7 @@ def test_every_config_parses_through_vllm_serve(name, serve):
         assert ea.enable_prefix_caching and ea.async_scheduling
     else:
         assert "VLLM_MARLIN_INPUT_DTYPE" not in cmd.env and ea.kv_cache_dtype == "auto"
+        assert ea.mamba_ssm_cache_dtype == (cfg.state_dtype or "auto")  # auto: the checkpoint's float32
     assert (cmd.env.get("VLLM_SPEC_DECODE_ATTN") == "1") is (cfg.patched and cfg.spec_tokens > 0)
 
 
@@ -80,7 +81,7 @@ def test_pools_seat_the_largest_cohort():
         if cfg.product == "batch":
             shape = CacheShape(kv_dtype="fp8", state_dtype="float16", prefix_cache=True)
         else:  # stock keeps the checkpoint's fp32 state; 0.28.0 turns prefix caching on for hybrid models
-            shape = CacheShape(state_dtype="float32", spec="mtp" if cfg.spec_tokens else "off",
+            shape = CacheShape(state_dtype=cfg.state_dtype or "float32", spec="mtp" if cfg.spec_tokens else "off",
                                spec_tokens=cfg.spec_tokens, prefix_cache=True, kv_group_fix=cfg.patched)
         assert shape.fits(cfg.kv_bytes, fb.MAX_LEN), cfg.name
         cohort = 64 if any(k in cfg.runs for k in ("batch", "repeat")) else 8 if "single" in cfg.runs else 1

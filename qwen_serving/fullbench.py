@@ -26,12 +26,14 @@ SHARED_UTIL = 0.2  # the free-memory check at start only: every pool is fixed by
 # each in the report field that measures the same thing: C1 as a decode rate (1000 / mean TPOT), C64 as
 # vllm bench serve's output throughput; both with their mean TPOT.
 REFERENCE = {"C1": {"decode_tok_s": 117.8, "tpot_ms": 8.49}, "C64": {"e2e_output_tok_s": 3024.0, "tpot_ms": 18.7}}
+REFERENCE_MACHETE = {"C1": {"decode_tok_s": 100.8}}  # the same server on vLLM's default kernel for sm90
 REPRODUCE_WITHIN = 0.05
 NOTE_RANDOM = ("Random weights: draft acceptance and tokens per step mean nothing here; compare ms_per_step of the "
                "mtp configs with the plain config (the cost of a k-draft verify step against a decode step).")
 # What a config runs, in this order (see runs_for):
 #   single: harness single (C1/C2/C4/C8 over the real prompts);  single-c1: harness C1, 4 prompts
-#   batch: harness batch (C64, 128 in / 512 out);  repeat: single-c1 and batch once more (the second run)
+#   batch: harness batch (C64, 128 in / 512 out);  repeat: the second run of C1 (as single-c1) and of batch,
+#   each where the config runs it
 #   ladder: conc_ladder 1/2/4/8 streams;  steps: step_profile C1 and C64;  api: api_smoke
 RUN_KINDS = ("single", "single-c1", "batch", "repeat", "ladder", "steps", "api")
 
@@ -47,6 +49,8 @@ class BenchConfig:
     max_num_seqs: int = 16  # vLLM 0.28.0 refuses more seats than the pool has GDN state blocks (CUDA graphs)
     shared_start: bool = True  # False: vLLM's own memory profiling and defaults, so it must boot alone
     state_dtype: str | None = None  # --mamba-ssm-cache-dtype; None keeps the checkpoint's (float32)
+    marlin_forced: bool = True  # False: vLLM picks the kernel (Machete on sm90)
+    reference: Mapping[str, Mapping[str, float]] | None = None  # figures to reproduce (reference_check)
     runs: tuple[str, ...] = ("single-c1",)
     what: str = ""
 
@@ -56,12 +60,14 @@ class BenchConfig:
 # 8 GB seats 7 MTP requests, and holds one MAX_LEN request; 16 GB with fp16 state seats 76.
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("stock", False, kv_bytes=28 * GB, max_num_seqs=128, runs=("single", "batch", "repeat", "ladder", "steps"),
-                what="stock vLLM 0.28.0, no speculation: the reference figures"),
-    BenchConfig("stock-ref", False, runs=("single-c1", "batch", "repeat"), shared_start=False,
+                reference=REFERENCE, what="stock vLLM 0.28.0, no speculation: the reference figures"),
+    BenchConfig("stock-ref", False, runs=("single-c1", "batch", "repeat"), shared_start=False, reference=REFERENCE,
                 what="stock exactly as the issue's reference was launched (utilization 0.9, vLLM's default seats, "
                      "no profiler); boots alone"),
     BenchConfig("stock-mtp4", False, 4, what="stock, MTP k=4: the cost of a verify step"),
     BenchConfig("stock-mtp7", False, 7, what="stock, MTP k=7: the cost of a verify step"),
+    BenchConfig("stock-machete", False, kv_bytes=4 * GB, runs=("single-c1", "repeat"), marlin_forced=False,
+                reference=REFERENCE_MACHETE, what="stock on vLLM's own choice of kernel (Machete on the H200)"),
     BenchConfig("stock-fp16state", False, kv_bytes=16 * GB, max_num_seqs=128, state_dtype="float16",
                 runs=("single-c1", "batch", "steps"),
                 what="stock with the GDN state in fp16 (half its traffic): the state's share of a C64 step"),
@@ -97,8 +103,9 @@ def server_command(cfg: BenchConfig, *, python: str, ckpt: Path, port: int, trac
                    probe: plan.Probe | None = None) -> ServerCommand:
     """The vllm serve command of one config. Every server: Marlin forced (the RTX 3090's kernel), Triton GDN
     prefill (no FlashInfer on the test machine), the text model only, the profiler configured."""
-    env = {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel", "VLLM_USE_FLASHINFER_SAMPLER": "0",
-           "VLLM_SERVER_DEV_MODE": "1", **cfg.env}
+    env = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_SERVER_DEV_MODE": "1", **cfg.env}
+    if cfg.marlin_forced:
+        env["VLLM_DISABLED_KERNELS"] = "MacheteLinearKernel"
     shared = ["--gpu-memory-utilization", str(SHARED_UTIL), "--profiler-config", profiler_config(traces)]
     cli = [python, "-m", "vllm.entrypoints.cli.main", "serve"]
     if cfg.product:
@@ -147,7 +154,10 @@ def runs_for(cfg: BenchConfig, *, python: str, repo: Path, url: str, out: Path, 
         elif kind == "batch":
             runs.append(harness("batch", "batch"))
         elif kind == "repeat":
-            runs += [harness("single-run2", *single_c1), harness("batch-run2", "batch")]
+            if {"single", "single-c1"} & set(cfg.runs):
+                runs.append(harness("single-run2", *single_c1))
+            if "batch" in cfg.runs:
+                runs.append(harness("batch-run2", "batch"))
         elif kind == "ladder":
             runs.append(Run("ladder", (python, str(bench / "conc_ladder.py"), "--url", url,
                                        "--out", str(out / f"{tag}-ladder.json"))))
@@ -166,15 +176,16 @@ def _cohort(report: Mapping | None, cohort: str) -> Mapping | None:
     return ((report or {}).get("cohorts") or {}).get(cohort)
 
 
-def reference_check(parts: Mapping[str, Mapping | None]) -> dict:
-    """Stock C1 and C64 against REFERENCE, figure by figure: reproduced when every figure of both runs is
-    within REPRODUCE_WITHIN of the reference.
+def reference_check(parts: Mapping[str, Mapping | None], reference: Mapping[str, Mapping[str, float]]) -> dict:
+    """A stock config's C1 and C64 against the reference figures, figure by figure: reproduced when every
+    figure of both runs is within REPRODUCE_WITHIN of the reference.
 
-    parts: a stock config's reports by part (single and single-run2 hold C1, batch and batch-run2 C64)."""
+    parts: the config's reports by part (single and single-run2 hold C1, batch and batch-run2 C64)."""
     sources = {"C1": ("single", "single-run2"), "C64": ("batch", "batch-run2")}
-    check: dict = {"reference": REFERENCE, "within": REPRODUCE_WITHIN, "runs": {}}
+    check: dict = {"reference": dict(reference), "within": REPRODUCE_WITHIN, "runs": {}}
     ok = True
-    for cohort, names in sources.items():
+    for cohort in reference:
+        names = sources[cohort]
         rows = []
         for name in names:
             fig = _cohort(parts.get(name), cohort)
@@ -182,7 +193,7 @@ def reference_check(parts: Mapping[str, Mapping | None]) -> dict:
                 ok = False
                 continue
             row: dict = {"run": name}
-            for key, want in REFERENCE[cohort].items():
+            for key, want in reference[cohort].items():
                 got = float(fig["tpot_ms"]["mean"] if key == "tpot_ms" else fig[key])
                 row[key] = got
                 row[f"{key}_off_by"] = got / want - 1
@@ -197,6 +208,6 @@ def merge(config: str, serve_cmd: str, parts: Mapping[str, Mapping | None], erro
     """One config's figures in one JSON (h200-full-<config>.json)."""
     merged = {"config": config, "what": CONFIGS[config].what, "serve_cmd": serve_cmd, "note": NOTE_RANDOM,
               "errors": dict(errors), **{part: report for part, report in parts.items()}}
-    if not CONFIGS[config].patched and "repeat" in CONFIGS[config].runs:
-        merged["reference_check"] = reference_check(parts)
+    if CONFIGS[config].reference:
+        merged["reference_check"] = reference_check(parts, CONFIGS[config].reference)
     return merged

@@ -28,6 +28,7 @@ from qwen_serving import benchreport as br  # noqa: E402
 # vLLM's CLI, with the CPU shims on a machine without a GPU (a no-op on CUDA machines).
 VLLM_CLI = ("from qwen_serving import cpu_compat; cpu_compat.install(); "
             "from vllm.entrypoints.cli.main import main; main()")
+WARMUP_SEED_OFFSET = 1_000_003  # far from the seeds of the measured runs (base seed + run index)
 
 
 def api_key(args) -> str | None:
@@ -96,8 +97,8 @@ def machine_facts() -> dict:
     return facts
 
 
-def run_one(run: br.RunSpec, args, base: str, key: str | None, seed: int, workdir: str) -> dict:
-    salt = f"{args.tag}-{seed}-{run.name}"
+def bench_serve(run: br.RunSpec, args, base: str, key: str | None, seed: int, salt: str, workdir: str) -> dict:
+    """One `vllm bench serve` call; its saved result."""
     cmd = [sys.executable, "-c", VLLM_CLI, "bench", "serve"] + br.bench_serve_args(
         run, base_url=base, seed=seed, cache_salt=salt, result_dir=workdir, prompts_file=str(args.prompts),
         tokenizer=args.tokenizer, ignore_eos=args.ignore_eos, temperature=args.temperature)
@@ -105,21 +106,31 @@ def run_one(run: br.RunSpec, args, base: str, key: str | None, seed: int, workdi
     if key:
         env["OPENAI_API_KEY"] = key
     log_path = Path(workdir) / f"{run.name}.log"
-    before = metrics(base, key)
     t0 = time.time()
     with open(log_path, "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
-    after = metrics(base, key)
     if rc != 0:
         tail = log_path.read_text(errors="replace")[-2000:]
         raise RuntimeError(f"vllm bench serve exited {rc} after {time.time() - t0:.0f} s; log tail:\n{tail}")
-    raw = json.loads((Path(workdir) / f"{run.name}.json").read_text())
+    return json.loads((Path(workdir) / f"{run.name}.json").read_text())
+
+
+def run_one(run: br.RunSpec, args, base: str, key: str | None, seed: int, workdir: str) -> dict:
+    warmup = None
+    if args.warmup:  # own seed and salt: nothing it sends can be served from the cache to the measured call
+        spec = br.warmup_run(run)
+        bench_serve(spec, args, base, key, seed + WARMUP_SEED_OFFSET, f"{args.tag}-{seed}-{spec.name}", workdir)
+        warmup = {"num_prompts": spec.num_prompts, "output_len": spec.output_len, "seed": seed + WARMUP_SEED_OFFSET}
+    salt = f"{args.tag}-{seed}-{run.name}"
+    before = metrics(base, key)
+    raw = bench_serve(run, args, base, key, seed, salt, workdir)
+    after = metrics(base, key)
     delta = br.metrics_delta(before, after)
     if run.section == "prefill":
         figures = br.prefill_figures(raw, run.input_len)
     else:
         figures = br.cohort_figures(raw, run.concurrency, delta)
-    figures.update(seed=seed, cache_salt=salt, dataset=run.dataset, num_prompts=run.num_prompts,
+    figures.update(seed=seed, cache_salt=salt, warmup=warmup, dataset=run.dataset, num_prompts=run.num_prompts,
                    output_len=run.output_len, input_len=run.input_len or None, vllm_bench_result=raw)
     return figures
 
@@ -142,6 +153,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tokenizer", help="tokenizer for vllm bench serve (default: the served model's path)")
     p.add_argument("--seed", type=int, help="base seed (default: from the clock); run i uses seed + i")
     p.add_argument("--temperature", type=float, help="0 = greedy (default: the model's own sampling defaults)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the unmeasured warm-up call before each run (same shapes, short answers)")
     p.add_argument("--ignore-eos", action="store_true", help="every answer runs to its full length (random weights)")
     p.add_argument("--api-key", help="default: $VLLM_API_KEY or $OPENAI_API_KEY")
     p.add_argument("--note", action="append", default=[], help="a line stored in the report and printed under it")

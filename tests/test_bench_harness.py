@@ -162,3 +162,49 @@ def test_server_facts_from_a_vllm_like_server():
     assert facts["model"] == {"id": "qwen3.8-27b", "root": "/models/q", "max_model_len": 65536}
     assert facts["cache_config"]["enable_prefix_caching"] == "True"
     assert facts["vllm_config"] is None and "VLLM_SERVER_DEV_MODE=1" in facts["vllm_config_note"]
+
+
+def test_warmup_call_precedes_each_run_outside_its_metrics_window(monkeypatch, vllm_bench_parser, tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    import harness
+
+    fixtures = REPO / "bench" / "fixtures"
+    pages = iter([(fixtures / "metrics_before.txt").read_text(), (fixtures / "metrics_after.txt").read_text()])
+    raw = json.loads((fixtures / "vllm_bench_serve_C1.json").read_text())
+    events: list[tuple] = []
+
+    def fake_bench_serve(run, args, base, key, seed, salt, workdir):
+        events.append(("bench", run, seed, salt))
+        return raw
+
+    def fake_metrics(base, key):
+        events.append(("metrics",))
+        return br.snapshot(next(pages))
+
+    monkeypatch.setattr(harness, "bench_serve", fake_bench_serve)
+    monkeypatch.setattr(harness, "metrics", fake_metrics)
+    args = harness.parse_args(["batch", "--tag", "t", "--out", str(tmp_path)])
+    (c64,) = br.plan_runs("batch")
+    fig = harness.run_one(c64, args, "http://h:1", None, 7, str(tmp_path))
+    assert [e[0] for e in events] == ["bench", "metrics", "bench", "metrics"]  # warm-up, then the measured window
+    _, warm, warm_seed, warm_salt = events[0]
+    _, measured, seed, salt = events[2]
+    assert measured == c64 and seed == 7 and salt == "t-7-C64" == fig["cache_salt"]
+    # the same shapes (64 at a time, 128-token prompts), short answers, its own seed and salt
+    assert (warm.concurrency, warm.num_prompts, warm.input_len, warm.dataset) == (64, 64, 128, "random")
+    assert warm.output_len == br.WARMUP_OUTPUT_LEN and warm_seed != seed and warm_salt != salt
+    assert fig["warmup"] == {"num_prompts": 64, "output_len": br.WARMUP_OUTPUT_LEN, "seed": warm_seed}
+    ns = vllm_bench_parser.parse_args(br.bench_serve_args(warm, base_url="http://h:1", seed=warm_seed,
+                                                          cache_salt=warm_salt, result_dir=str(tmp_path),
+                                                          prompts_file=str(PROMPTS)))
+    assert (ns.max_concurrency, ns.num_prompts, ns.random_input_len, ns.random_output_len) == (64, 64, 128, 16)
+    assert ns.result_filename == "C64-warmup.json"  # never overwrites the measured call's result
+
+    prefill = br.warmup_run(br.plan_runs("single", prefill=True)[4])
+    assert (prefill.num_prompts, prefill.output_len, prefill.input_len) == (1, 1, 1024)
+
+    events.clear()
+    pages = iter([(fixtures / "metrics_before.txt").read_text(), (fixtures / "metrics_after.txt").read_text()])
+    no_warm = harness.parse_args(["batch", "--no-warmup", "--tag", "t", "--out", str(tmp_path)])
+    fig = harness.run_one(c64, no_warm, "http://h:1", None, 7, str(tmp_path))
+    assert [e[0] for e in events] == ["metrics", "bench", "metrics"] and fig["warmup"] is None

@@ -96,8 +96,8 @@ def test_pools_seat_the_largest_cohort():
 
 
 def test_memory_model_matches_the_h200_servers():
-    """The three full-shape servers of the H200 run (2026-11-29): their block count and block size as the
-    harness recorded them (bench/results/h200-full-<config>-single.json, from /metrics), and the
+    """The full-shape servers with a fixed pool of both H200 visits (2026-11-29): their block count and block
+    size as the harness recorded them (bench/results/h200-full-<config>-single.json, from /metrics), and the
     'GPU KV cache size: N tokens' line each printed at boot (server logs, not kept)."""
     from qwen_serving.memory import CacheShape
 
@@ -106,6 +106,12 @@ def test_memory_model_matches_the_h200_servers():
         "stock-mtp4": (CacheShape(state_dtype="float32", spec="mtp", spec_tokens=4, prefix_cache=True,
                                   kv_group_fix=False), 83_107),
         "patched-batch": (CacheShape(kv_dtype="fp8", state_dtype="float16", prefix_cache=True), 430_786),
+        # the second visit (same day)
+        "stock-machete": (CacheShape(state_dtype="float32", prefix_cache=True, kv_group_fix=False), 53_456),
+        "stock-fp16state": (CacheShape(state_dtype="float16", prefix_cache=True, kv_group_fix=False), 229_225),
+        "patched-mtp4": (CacheShape(state_dtype="float32", spec="mtp", spec_tokens=4, prefix_cache=True), 83_107),
+        "stock-mtp7": (CacheShape(state_dtype="float32", spec="mtp", spec_tokens=7, prefix_cache=True,
+                                  kv_group_fix=False), 73_408),
     }
     for name, (shape, boot_tokens) in shapes.items():
         report = json.loads((REPO / "bench" / "results" / f"h200-full-{name}-single.json").read_text())

@@ -15,7 +15,7 @@ CKPT="${CKPT:-/tmp/qwen-full}"
 BENCH_OUT="${BENCH_OUT:-/tmp/bench-out}"
 TESTS="${QS_GPU_TESTS:-tests/gpu/test_engine_hooks_gpu.py}"
 read -ra WAVE1 <<< "${WAVE1:-stock stock-mtp4 patched-batch}"
-read -ra WAVE2 <<< "${WAVE2:-stock-mtp7 patched-mtp4}"
+read -ra WAVE2 <<< "${WAVE2-stock-mtp7 patched-mtp4}"  # WAVE2= (empty): no wave 2
 log() { printf '[visit %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
 log "1. patched copy of vllm in $PATCHED_SITE"

@@ -196,7 +196,8 @@ def check_anthropic_stream(api: Api) -> str:
     events = api.stream("/v1/messages", {"max_tokens": 16, "messages": PROMPT})
     kinds = [e for e, _ in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
-    assert "content_block_delta" in kinds
+    # on random weights a tool parser can hold back every delta as a possible call: name what did arrive
+    assert "content_block_delta" in kinds, f"no content_block_delta among {kinds}"
     return f"{len(events)} events, message_start .. message_stop"
 
 

@@ -69,9 +69,10 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("stock-machete", False, kv_bytes=4 * GB, runs=("single-c1", "repeat"), marlin_forced=False,
                 reference=REFERENCE_MACHETE, what="stock on vLLM's own choice of kernel (Machete on the H200)"),
     BenchConfig("stock-fp16state", False, kv_bytes=16 * GB, max_num_seqs=128, state_dtype="float16",
-                runs=("single-c1", "batch", "repeat", "steps"), reference=REFERENCE,
-                what="stock with the GDN state in fp16 (half its traffic): the state's share of a C64 step, and "
-                     "the reference figures if the reference server kept a 16-bit state"),
+                runs=("single-c1", "batch", "repeat", "steps", "api"), reference=REFERENCE,
+                what="stock with the GDN state in fp16 (half its traffic): the state's share of a C64 step, the "
+                     "reference figures if the reference server kept a 16-bit state, and the API without a tool "
+                     "parser (one can take a random answer for a call)"),
     BenchConfig("patched", True, kv_bytes=28 * GB, max_num_seqs=128, runs=("single-c1", "batch"),
                 what="the patch series with the stock flags: patches at their defaults"),
     BenchConfig("patched-mtp4", True, 4, env={"VLLM_SPEC_DECODE_ATTN": "1"},

@@ -177,3 +177,19 @@ def test_api_smoke_names_an_answer_without_text(monkeypatch):
             if check is api_smoke.check_streaming:
                 monkeypatch.setattr(api_smoke.Api, "stream", lambda self, path, body: [(None, "[DONE]")])
             check(api)
+
+
+def test_api_smoke_anthropic_stream_names_the_events_it_got(monkeypatch):
+    # H200, the batch plan on random weights: the stream had no content_block_delta and the check said nothing
+    sys.path.insert(0, str(BENCH))
+    import api_smoke
+
+    api = object.__new__(api_smoke.Api)
+    held_back = [("message_start", {}), ("content_block_start", {}), ("content_block_stop", {}),
+                 ("message_delta", {}), ("message_stop", {})]
+    monkeypatch.setattr(api_smoke.Api, "stream", lambda self, path, body: held_back)
+    with pytest.raises(AssertionError, match="no content_block_delta among .*'content_block_start'"):
+        api_smoke.check_anthropic_stream(api)
+    whole = held_back[:2] + [("content_block_delta", {"delta": {"text": "x"}})] + held_back[2:]
+    monkeypatch.setattr(api_smoke.Api, "stream", lambda self, path, body: whole)
+    assert api_smoke.check_anthropic_stream(api) == "6 events, message_start .. message_stop"

@@ -103,8 +103,9 @@ class ServerCommand:
 
 def server_command(cfg: BenchConfig, *, python: str, ckpt: Path, port: int, traces: Path,
                    probe: plan.Probe | None = None) -> ServerCommand:
-    """The vllm serve command of one config. Every server: Marlin forced (the RTX 3090's kernel), Triton GDN
-    prefill (no FlashInfer on the test machine), the text model only, the profiler configured."""
+    """The vllm serve command of one config. Every server: Triton GDN prefill (no FlashInfer on the test
+    machine), the text model only; Marlin forced (the RTX 3090's kernel) unless the config says otherwise; the
+    profiler configured on every server that shares the boot."""
     env = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_SERVER_DEV_MODE": "1", **cfg.env}
     if cfg.marlin_forced:
         env["VLLM_DISABLED_KERNELS"] = "MacheteLinearKernel"

@@ -118,9 +118,9 @@ def bench_serve(run: br.RunSpec, args, base: str, key: str | None, seed: int, sa
 def run_one(run: br.RunSpec, args, base: str, key: str | None, seed: int, workdir: str) -> dict:
     warmup = None
     if args.warmup:  # own seed and salt: nothing it sends can be served from the cache to the measured call
-        spec = br.warmup_run(run)
-        bench_serve(spec, args, base, key, seed + WARMUP_SEED_OFFSET, f"{args.tag}-{seed}-{spec.name}", workdir)
-        warmup = {"num_prompts": spec.num_prompts, "output_len": spec.output_len, "seed": seed + WARMUP_SEED_OFFSET}
+        spec, warm_seed = br.warmup_run(run), seed + WARMUP_SEED_OFFSET
+        bench_serve(spec, args, base, key, warm_seed, f"{args.tag}-{seed}-{spec.name}", workdir)
+        warmup = {"num_prompts": spec.num_prompts, "output_len": spec.output_len, "seed": warm_seed}
     salt = f"{args.tag}-{seed}-{run.name}"
     before = metrics(base, key)
     raw = bench_serve(run, args, base, key, seed, salt, workdir)

@@ -73,17 +73,24 @@ def test_every_config_parses_through_vllm_serve(name, serve):
     assert (cmd.env.get("VLLM_SPEC_DECODE_ATTN") == "1") is (cfg.patched and cfg.spec_tokens > 0)
 
 
+def _cache_shape(cfg: fb.BenchConfig):
+    """memory.CacheShape of a config's server."""
+    from qwen_serving.memory import CacheShape
+
+    if cfg.product == "batch":
+        return CacheShape(kv_dtype="fp8", state_dtype="float16", prefix_cache=True)
+    # stock keeps the checkpoint's fp32 state; 0.28.0 turns prefix caching on for hybrid models
+    return CacheShape(state_dtype=cfg.state_dtype or "float32", spec="mtp" if cfg.spec_tokens else "off",
+                      spec_tokens=cfg.spec_tokens, prefix_cache=True, kv_group_fix=cfg.patched)
+
+
 def test_pools_seat_the_largest_cohort():
     from qwen_serving.memory import CacheShape
 
     for cfg in fb.CONFIGS.values():
         if not cfg.shared_start:
             continue  # vLLM sizes its pool from 0.9 of the GPU (~100 GB on the H200)
-        if cfg.product == "batch":
-            shape = CacheShape(kv_dtype="fp8", state_dtype="float16", prefix_cache=True)
-        else:  # stock keeps the checkpoint's fp32 state; 0.28.0 turns prefix caching on for hybrid models
-            shape = CacheShape(state_dtype=cfg.state_dtype or "float32", spec="mtp" if cfg.spec_tokens else "off",
-                               spec_tokens=cfg.spec_tokens, prefix_cache=True, kv_group_fix=cfg.patched)
+        shape = _cache_shape(cfg)
         assert shape.fits(cfg.kv_bytes, fb.MAX_LEN), cfg.name
         cohort = 64 if "batch" in cfg.runs else 8 if "single" in cfg.runs else 1
         assert shape.residents(cfg.kv_bytes, 128, 512) >= cohort, cfg.name
@@ -99,21 +106,12 @@ def test_memory_model_matches_the_h200_servers():
     """The full-shape servers with a fixed pool of both H200 visits (2026-11-29): their block count and block
     size as the harness recorded them (bench/results/h200-full-<config>-single.json, from /metrics), and the
     'GPU KV cache size: N tokens' line each printed at boot (server logs, not kept)."""
-    from qwen_serving.memory import CacheShape
-
-    shapes = {
-        "stock": (CacheShape(state_dtype="float32", prefix_cache=True, kv_group_fix=False), 377_665),
-        "stock-mtp4": (CacheShape(state_dtype="float32", spec="mtp", spec_tokens=4, prefix_cache=True,
-                                  kv_group_fix=False), 83_107),
-        "patched-batch": (CacheShape(kv_dtype="fp8", state_dtype="float16", prefix_cache=True), 430_786),
-        # the second visit (same day)
-        "stock-machete": (CacheShape(state_dtype="float32", prefix_cache=True, kv_group_fix=False), 53_456),
-        "stock-fp16state": (CacheShape(state_dtype="float16", prefix_cache=True, kv_group_fix=False), 229_225),
-        "patched-mtp4": (CacheShape(state_dtype="float32", spec="mtp", spec_tokens=4, prefix_cache=True), 83_107),
-        "stock-mtp7": (CacheShape(state_dtype="float32", spec="mtp", spec_tokens=7, prefix_cache=True,
-                                  kv_group_fix=False), 73_408),
-    }
-    for name, (shape, boot_tokens) in shapes.items():
+    boot_tokens_of = {"stock": 377_665, "stock-mtp4": 83_107, "patched-batch": 430_786,
+                      # the second visit (same day)
+                      "stock-machete": 53_456, "stock-fp16state": 229_225, "patched-mtp4": 83_107,
+                      "stock-mtp7": 73_408}
+    for name, boot_tokens in boot_tokens_of.items():
+        shape = _cache_shape(fb.CONFIGS[name])
         report = json.loads((REPO / "bench" / "results" / f"h200-full-{name}-single.json").read_text())
         recorded = report["server"]["cache_config"]
         kv_bytes = fb.CONFIGS[name].kv_bytes

@@ -34,8 +34,9 @@ NOTE_RANDOM = ("Random weights: draft acceptance and tokens per step mean nothin
 #   single: harness single (C1/C2/C4/C8 over the real prompts);  single-c1: harness C1, 4 prompts
 #   batch: harness batch (C64, 128 in / 512 out);  repeat: the second run of C1 (as single-c1) and of batch,
 #   each where the config runs it
+#   context: harness --prefill --long (prefill tok/s at 1k/4k/16k, C1 decode at 8k/16k/32k), after one C1 answer
 #   ladder: conc_ladder 1/2/4/8 streams;  steps: step_profile C1 and C64;  api: api_smoke
-RUN_KINDS = ("single", "single-c1", "batch", "repeat", "ladder", "steps", "api")
+RUN_KINDS = ("single", "single-c1", "batch", "repeat", "context", "ladder", "steps", "api")
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 what="stock with the GDN state in fp16 (half its traffic): the state's share of a C64 step, the "
                      "reference figures if the reference server kept a 16-bit state, and the API without a tool "
                      "parser (one can take a random answer for a call)"),
-    BenchConfig("patched", True, kv_bytes=28 * GB, max_num_seqs=128, runs=("single-c1", "batch"),
-                what="the patch series with the stock flags: patches at their defaults"),
+    BenchConfig("patched", True, kv_bytes=28 * GB, max_num_seqs=128, runs=("single-c1", "batch", "context"),
+                what="the patch series with the stock flags: patches at their defaults; prefill and long-context rates"),
     BenchConfig("patched-mtp4", True, 4, env={"VLLM_SPEC_DECODE_ATTN": "1"},
                 what="patched, MTP k=4, verify attention on qwen_serving.kernels.spec_attn"),
     BenchConfig("patched-mtp7", True, 7, env={"VLLM_SPEC_DECODE_ATTN": "1"},
@@ -161,6 +162,8 @@ def runs_for(cfg: BenchConfig, *, python: str, repo: Path, url: str, out: Path, 
                 runs.append(harness("single-run2", *single_c1))
             if "batch" in cfg.runs:
                 runs.append(harness("batch-run2", "batch"))
+        elif kind == "context":  # single mode always measures a cohort: one C1 answer, the shortest
+            runs.append(harness("context", "single", "--cohorts", "1", "--num-prompts", "1", "--prefill", "--long"))
         elif kind == "ladder":
             runs.append(Run("ladder", (python, str(bench / "conc_ladder.py"), "--url", url,
                                        "--out", str(out / f"{tag}-ladder.json"))))

@@ -141,6 +141,12 @@ def test_runs_follow_the_config():
     machete = fb.runs_for(fb.CONFIGS["stock-machete"], python="py", repo=REPO, url="u", out=Path("/o"), ckpt=CKPT,
                           traces=TRACES)
     assert [r.part for r in machete] == ["single", "single-run2"]  # repeat repeats only what the config runs
+    patched = fb.runs_for(fb.CONFIGS["patched"], python="py", repo=REPO, url="u", out=Path("/o"), ckpt=CKPT,
+                          traces=TRACES)
+    assert [r.part for r in patched] == ["single", "batch", "context"]
+    context = patched[2].argv
+    assert {"--prefill", "--long"} <= set(context) and context[context.index("--num-prompts") + 1] == "1"
+    assert context[context.index("--tag") + 1] == "h200-full-patched-context"
     with pytest.raises(ValueError, match="unknown run kind 'warp'"):
         fb.runs_for(fb.BenchConfig("x", False, runs=("warp",)), python="py", repo=REPO, url="u", out=Path("/o"),
                     ckpt=CKPT, traces=TRACES)

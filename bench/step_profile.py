@@ -156,7 +156,8 @@ def analyze(trace_path: Path, batch: int, step: dict, ctx: int, text_config: dic
         "profiled_period_over_measured": breakdown["period"] / ms_per_token,
         "kernel_share_of_period": breakdown["busy"] / breakdown["period"],
         "bytes": moved, "bandwidth": sp.bandwidth_table(breakdown, moved, gbps) if gbps else None,
-        "top_kernels": sp.kernel_table(trace, batch, skip=4), "context_tokens": ctx,
+        "top_kernels": sp.kernel_table(trace, batch, skip=4), "host_api": sp.host_api_table(trace, batch, skip=4),
+        "context_tokens": ctx,
     }
 
 
@@ -166,6 +167,10 @@ def print_result(name: str, r: dict) -> None:
           f"{r['measured_source']}), kernels {b['busy']:.2f} ms, launch gaps {b['gap_launch']:.2f}, host gaps "
           f"{b['gap_host']:.2f}; Marlin {b['marlin_gemm']:.2f}, lm_head {b['lm_head']:.2f}, GDN {b['gdn']:.2f}, "
           f"attention {b['attention']:.2f}", flush=True)
+    host = r["host_api"]
+    if host["calls"]:
+        print(f"  host: CUDA API {host['total_ms']:.2f} ms a step ({host['calls'][0]['name']} "
+              f"{host['calls'][0]['us_per_step'] / 1000:.2f}), waiting for the GPU {host['sync_wait_ms']:.2f}", flush=True)
 
 
 def reanalyze(args: argparse.Namespace) -> int:

@@ -74,7 +74,7 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 what="stock with the GDN state in fp16 (half its traffic): the state's share of a C64 step, the "
                      "reference figures if the reference server kept a 16-bit state, and the API without a tool "
                      "parser (one can take a random answer for a call)"),
-    BenchConfig("patched", True, kv_bytes=28 * GB, max_num_seqs=128, runs=("single-c1", "batch", "context"),
+    BenchConfig("patched-defaults", True, kv_bytes=28 * GB, max_num_seqs=128, runs=("single-c1", "batch", "context"),
                 what="the patch series with the stock flags: patches at their defaults; prefill and long-context rates"),
     BenchConfig("patched-mtp4", True, 4, env={"VLLM_SPEC_DECODE_ATTN": "1"},
                 what="patched, MTP k=4, verify attention on qwen_serving.kernels.spec_attn"),

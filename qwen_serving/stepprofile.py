@@ -7,7 +7,11 @@ step's start, so the period is what one token costs a stream at steady state. Wi
 - kernel time per category (GPU kernels, by name; the lm_head is the step's last GEMM),
 - busy = the union of kernel intervals (streams can overlap),
 - launch gaps = GPU idle between the step's first and last kernel (the host could not keep up),
-- host gaps = GPU idle outside that span (scheduling, sampling sync, bookkeeping).
+- host gaps = GPU idle outside that span (scheduling, sampling sync, bookkeeping),
+and on the host: the time of each CUDA API call per step (host_api_table). In a synchronize the host waits
+for the GPU (sync_wait_ms); in launch gaps the GPU waits for the host. A step can hold both, and a slower
+host shows as less of the first and more of the second (under the profiler, the H200's host spent
+1.6-2.2 ms a step launching the decode graph alone).
 Bytes per category come from the checkpoint's safetensors headers (weights) and the model config's
 shapes (recurrent state, KV cache) at the cache dtypes the server runs with (cache_dtypes: its
 /server_info engine config, else the checkpoint's), and are set against a measured device bandwidth.
@@ -17,6 +21,7 @@ The step time measured without the profiler comes from the window in which every
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import struct
@@ -178,6 +183,34 @@ def kernel_table(trace: dict, batch: int, skip: int = 2, top: int = 20) -> list[
     rows = sorted(time_us, key=time_us.__getitem__, reverse=True)[:top]
     return [{"name": n, "category": categorize(n), "us_per_step": time_us[n] / len(windows),
              "calls_per_step": calls[n] / len(windows)} for n in rows]
+
+
+def host_api_table(trace: dict, batch: int, skip: int = 2, top: int = 8) -> dict:
+    """Host-side CUDA API time of the decode steps profile_steps averages: each call by name (microseconds and
+    calls per step, largest first, `top` of them), their total, and sync_wait_ms, the time spent waiting in a
+    synchronize. A call belongs to the step whose window holds its start (host and GPU share Kineto's clock;
+    a call issued for the next step lands in this one, which evens out over steady steps)."""
+    _, marks = trace_events(trace)
+    windows = decode_steps(marks, batch)[skip:]
+    if not windows:
+        return {"total_ms": None, "sync_wait_ms": None, "calls": []}
+    starts = [a for a, _ in windows]
+    time_us: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") != "X" or ev.get("cat") not in ("cuda_runtime", "cuda_driver"):
+            continue
+        i = bisect.bisect_right(starts, float(ev["ts"])) - 1
+        if i < 0 or float(ev["ts"]) >= windows[i][1]:
+            continue
+        time_us[ev["name"]] = time_us.get(ev["name"], 0.0) + float(ev.get("dur", 0.0))
+        calls[ev["name"]] = calls.get(ev["name"], 0) + 1
+    n = len(windows)
+    rows = sorted(time_us, key=time_us.__getitem__, reverse=True)[:top]
+    return {"total_ms": sum(time_us.values()) / n / 1000.0,
+            "sync_wait_ms": sum(t for name, t in time_us.items() if "Synchronize" in name) / n / 1000.0,
+            "calls": [{"name": name, "us_per_step": time_us[name] / n, "calls_per_step": calls[name] / n,
+                       "us_per_call": time_us[name] / calls[name]} for name in rows]}
 
 
 # ---- bytes moved ---------------------------------------------------------------------------------

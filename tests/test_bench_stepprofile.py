@@ -290,3 +290,25 @@ def test_kernel_table(trace):
     assert sum(r["calls_per_step"] for r in sp.kernel_table(trace, batch=1, skip=2, top=100)) == prof["kernels"]
     assert sp.kernel_table(trace, batch=7) == []
 
+
+
+def test_host_api_table(trace):
+    """Host CUDA API calls are averaged over the same decode windows as the kernels; a synchronize is the
+    host's wait for the GPU (its slack)."""
+    _, marks = sp.trace_events(trace)
+    windows = sp.decode_steps(marks, 1)
+    host = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0.0, "dur": 9000.0}]  # before all
+    for start, _ in windows:
+        host += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": start + 100, "dur": 1500.0},
+                 {"ph": "X", "cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": start + 5000, "dur": 400.0},
+                 {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "ts": start + 7000, "dur": 10.0},
+                 {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": start + 7100, "dur": 50.0}]
+    with_host = {"traceEvents": trace["traceEvents"] + host}
+    table = sp.host_api_table(with_host, batch=1, skip=2)
+    assert [r["name"] for r in table["calls"]] == ["cudaGraphLaunch", "cudaEventSynchronize", "cuLaunchKernel"]
+    assert table["calls"][0] == {"name": "cudaGraphLaunch", "us_per_step": 1500.0, "calls_per_step": 1.0,
+                                 "us_per_call": 1500.0}
+    assert table["total_ms"] == pytest.approx(1.91) and table["sync_wait_ms"] == pytest.approx(0.4)
+    assert sp.host_api_table(with_host, batch=1, skip=2, top=1)["calls"][0]["name"] == "cudaGraphLaunch"
+    assert sp.host_api_table(trace, batch=1)["calls"] == []  # the fixture itself records no host calls
+    assert sp.host_api_table(with_host, batch=64) == {"total_ms": None, "sync_wait_ms": None, "calls": []}

@@ -141,15 +141,26 @@ def test_runs_follow_the_config():
     machete = fb.runs_for(fb.CONFIGS["stock-machete"], python="py", repo=REPO, url="u", out=Path("/o"), ckpt=CKPT,
                           traces=TRACES)
     assert [r.part for r in machete] == ["single", "single-run2"]  # repeat repeats only what the config runs
-    patched = fb.runs_for(fb.CONFIGS["patched"], python="py", repo=REPO, url="u", out=Path("/o"), ckpt=CKPT,
-                          traces=TRACES)
+    patched = fb.runs_for(fb.CONFIGS["patched-defaults"], python="py", repo=REPO, url="u", out=Path("/o"),
+                          ckpt=CKPT, traces=TRACES)
     assert [r.part for r in patched] == ["single", "batch", "context"]
     context = patched[2].argv
     assert {"--prefill", "--long"} <= set(context) and context[context.index("--num-prompts") + 1] == "1"
-    assert context[context.index("--tag") + 1] == "h200-full-patched-context"
+    assert context[context.index("--tag") + 1] == "h200-full-patched-defaults-context"
     with pytest.raises(ValueError, match="unknown run kind 'warp'"):
         fb.runs_for(fb.BenchConfig("x", False, runs=("warp",)), python="py", repo=REPO, url="u", out=Path("/o"),
                     ckpt=CKPT, traces=TRACES)
+
+
+def test_no_report_file_name_is_shared():
+    """A config's part reports (h200-full-<config>-<part>.json) and every merged report (h200-full-<config>.json)
+    share one folder: no name may stand for two files (a config `patched` would write its batch part over
+    `patched-batch`'s merged report)."""
+    names = [f"h200-full-{name}" for name in fb.CONFIGS]
+    for cfg in fb.CONFIGS.values():
+        names += [f"h200-full-{cfg.name}-{run.part}" for run in fb.runs_for(
+            cfg, python="py", repo=REPO, url="u", out=Path("/o"), ckpt=CKPT, traces=TRACES)]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
 
 
 def _report(cohort: str, rate: float, tpot: float) -> dict:
@@ -199,7 +210,7 @@ def test_run_full_rejects_unknown_configs(tmp_path):
 def test_run_full_patched_needs_a_patched_vllm(tmp_path):
     res = run_full(str(tmp_path / "out"), "stock", "patched-batch")
     assert res.returncode == 2 and "need --patched-site" in res.stderr
-    res = run_full(str(tmp_path / "out"), "patched", "--patched-site", str(tmp_path))
+    res = run_full(str(tmp_path / "out"), "patched-defaults", "--patched-site", str(tmp_path))
     assert res.returncode == 2 and "no vllm package there" in res.stderr
 
 

@@ -447,17 +447,21 @@ def test_traces_read_back_from_json_compare_as_before():
         lib.GreedyTrace.from_record({"token_ids": [1, 2], "chosen": [4.0], "top": [{}]})
 
 
-def test_h200_engine_hooks_divergences_are_near_ties():
-    """Every divergence the H200 engine-hooks run recorded (bench/results/engine-hooks-h200.json: MTP with the
-    verify/prefill kernels on vs off, and MTP vs no speculation), judged again from its recorded top-20 logits
-    with the token ids read back as ints: each is a near-tie, under the strictest tolerance (no measured noise)."""
-    record = json.loads((GPU_DIR.parents[1] / "bench" / "results" / "engine-hooks-h200.json").read_text())
+@pytest.mark.parametrize(("recording", "divergences"), [("engine-hooks-h200-visit3.json", 4),
+                                                         ("engine-hooks-h200.json", 5)])
+def test_h200_engine_hooks_divergences_are_near_ties(recording, divergences):
+    """Every divergence an H200 engine-hooks run recorded (bench/results/: MTP with the verify/prefill kernels on
+    vs off, and MTP vs no speculation), judged again from its recorded top-20 logits with the token ids read back
+    as ints: each is a near-tie, under the strictest tolerance (no measured noise). Visit 3's run judged its own
+    with str token ids (a bug of the test) and failed; the later run judged them with this code on the GPU."""
+    record = json.loads((GPU_DIR.parents[1] / "bench" / "results" / recording).read_text())
     comparisons = [record["mtp_greedy_hooks_on_vs_off"], record["single_prompt_hooks_on_vs_off"],
                    *record["mtp_hooks_off_vs_no_speculation"].values()]
     recorded = [d for c in comparisons for d in c["divergences"]]
-    assert len(recorded) == 4
+    assert len(recorded) == divergences
     for d in recorded:
-        sides = [lib.GreedyTrace.from_record({"token_ids": [token], "chosen": [dict(top)[str(token)]], "top": [top]})
+        sides = [lib.GreedyTrace.from_record({"token_ids": [token], "chosen": [{int(t): v for t, v in top}[token]],
+                                              "top": [top]})
                  for token, top in ((d["token_a"], d["top_a"]), (d["token_b"], d["top_b"]))]
         (again,) = lib.compare_greedy(sides[:1], sides[1:]).divergences
         assert again.explained, (d["prompt"], d["position"], again.reason)

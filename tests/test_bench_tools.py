@@ -179,7 +179,7 @@ def test_api_smoke_names_an_answer_without_text(monkeypatch):
             check(api)
 
 
-def test_api_smoke_anthropic_stream_names_the_events_it_got(monkeypatch):
+def test_api_smoke_anthropic_stream_is_compared_with_the_unstreamed_answer(monkeypatch):
     # H200, the batch plan on random weights: the stream had no content_block_delta and the check said nothing
     sys.path.insert(0, str(BENCH))
     import api_smoke
@@ -187,9 +187,91 @@ def test_api_smoke_anthropic_stream_names_the_events_it_got(monkeypatch):
     api = object.__new__(api_smoke.Api)
     held_back = [("message_start", {}), ("content_block_start", {}), ("content_block_stop", {}),
                  ("message_delta", {}), ("message_stop", {})]
+    whole = held_back[:2] + [("content_block_delta", {"delta": {"type": "text_delta", "text": "x"}})] + held_back[2:]
+    bodies = []
+
+    def answer(text):
+        def post(self, path, body):
+            bodies.append((path, body))
+            return 200, {"content": [{"type": "text", "text": text}]}
+        return post
+
     monkeypatch.setattr(api_smoke.Api, "stream", lambda self, path, body: held_back)
-    with pytest.raises(AssertionError, match="no content_block_delta among .*'content_block_start'"):
+    monkeypatch.setattr(api_smoke.Api, "post", answer("x"))
+    with pytest.raises(AssertionError, match="streamed '' .*'content_block_start'.*unstreamed 'x'"):
         api_smoke.check_anthropic_stream(api)
-    whole = held_back[:2] + [("content_block_delta", {"delta": {"text": "x"}})] + held_back[2:]
+    assert bodies[0] == ("/v1/messages", {"max_tokens": 16, "messages": api_smoke.PROMPT, "temperature": 0})
+    # H200, stock-fp16state (no tool parser): the greedy answer had no text, and neither had the stream
+    monkeypatch.setattr(api_smoke.Api, "post", answer(""))
+    with pytest.raises(api_smoke.Inconclusive, match="no text"):
+        api_smoke.check_anthropic_stream(api)
     monkeypatch.setattr(api_smoke.Api, "stream", lambda self, path, body: whole)
-    assert api_smoke.check_anthropic_stream(api) == "6 events, message_start .. message_stop"
+    with pytest.raises(AssertionError, match="streamed 'x'"):
+        api_smoke.check_anthropic_stream(api)
+    monkeypatch.setattr(api_smoke.Api, "post", answer("x"))
+    assert api_smoke.check_anthropic_stream(api) == "6 events, text equals the unstreamed answer"
+
+
+def test_api_smoke_checks_without_anything_to_test_are_inconclusive(monkeypatch):
+    """What the H200's stock-fp16state server (random weights, no tool parser) answered: a greedy answer whose
+    tokens decode to no text, JSON that runs out of tokens in whitespace, HTTP 400 for a forced tool call."""
+    sys.path.insert(0, str(BENCH))
+    import api_smoke
+
+    api = object.__new__(api_smoke.Api)
+
+    def chat_answer(content, finish="length"):
+        return lambda self, **body: {"choices": [{"message": {"content": content}, "finish_reason": finish}]}
+
+    monkeypatch.setattr(api_smoke.Api, "chat", chat_answer(""))
+    monkeypatch.setattr(api_smoke.Api, "stream", lambda self, path, body: [
+        (None, {"choices": [{"delta": {"content": ""}}]}), (None, "[DONE]")])
+    for check in (api_smoke.check_stop, api_smoke.check_streaming):
+        with pytest.raises(api_smoke.Inconclusive):
+            check(api)
+    monkeypatch.setattr(api_smoke.Api, "chat", chat_answer("nonempty"))
+    with pytest.raises(AssertionError):  # streamed '' against 'nonempty': a real failure, not a skip
+        api_smoke.check_streaming(api)
+
+    monkeypatch.setattr(api_smoke.Api, "chat", chat_answer('{"city"' + " " * 80))
+    with pytest.raises(api_smoke.Inconclusive, match="whitespace run"):
+        api_smoke.check_structured(api)
+    monkeypatch.setattr(api_smoke.Api, "chat", chat_answer('{"city": "Aarhus", "coastal": tru'))
+    with pytest.raises(AssertionError, match="before the object closed"):
+        api_smoke.check_structured(api)
+
+    no_parser = {"error": {"message": 'tool_choice=function "get_weather" requires --tool-call-parser to be set',
+                           "type": "BadRequestError", "code": 400}}
+    monkeypatch.setattr(api_smoke.Api, "post", lambda self, path, body: (400, no_parser))
+    with pytest.raises(api_smoke.Inconclusive, match="without --tool-call-parser"):
+        api_smoke.check_tool_call(api)
+    monkeypatch.setattr(api_smoke.Api, "post", lambda self, path, body: (500, {"error": {"message": ""}}))
+    with pytest.raises(AssertionError, match="HTTP 500"):
+        api_smoke.check_tool_call(api)
+
+
+def test_api_smoke_counts_only_failures_in_its_exit_code(monkeypatch, tmp_path, capsys):
+    sys.path.insert(0, str(BENCH))
+    import api_smoke
+
+    class FakeApi:
+        base, model = "http://h:1", "m"
+
+        def __init__(self, *args):
+            pass
+
+    def skip(api):
+        raise api_smoke.Inconclusive("nothing to test")
+
+    def fail(api):
+        raise AssertionError("wrong")
+
+    monkeypatch.setattr(api_smoke, "Api", FakeApi)
+    monkeypatch.setattr(api_smoke, "CHECKS", [("a", lambda api: "fine"), ("b", skip), ("c", fail), ("d", skip)])
+    assert api_smoke.main(["--json", str(tmp_path / "api.json")]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["PASS a: fine", "SKIP b: nothing to test", "FAIL c: AssertionError: wrong", "SKIP d: nothing to test",
+                   "1/4 passed, 2 inconclusive (SKIP), 1 failed"]
+    checks = json.loads((tmp_path / "api.json").read_text())["checks"]
+    assert {k: (v["status"], v["passed"]) for k, v in checks.items()} == {
+        "a": ("pass", True), "b": ("skip", None), "c": ("fail", False), "d": ("skip", None)}

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,6 +31,7 @@ from qwen_serving import benchreport as br  # noqa: E402
 VLLM_CLI = ("from qwen_serving import cpu_compat; cpu_compat.install(); "
             "from vllm.entrypoints.cli.main import main; main()")
 WARMUP_SEED_OFFSET = 1_000_003  # far from the seeds of the measured runs (base seed + run index)
+WARMUP_TOKEN_IDS = range(100, 4000)  # ordinary tokens in Qwen's vocabulary and in the tiny test checkpoints'
 
 
 def api_key(args) -> str | None:
@@ -115,12 +118,47 @@ def bench_serve(run: br.RunSpec, args, base: str, key: str | None, seed: int, sa
     return json.loads((Path(workdir) / f"{run.name}.json").read_text())
 
 
+def http_post_json(url: str, key: str | None, body: dict, timeout: float = 600.0) -> dict:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"POST {url} -> HTTP {e.code}: {e.read().decode(errors='replace')[:300]}") from e
+
+
+def warm_up(spec: br.RunSpec, args, base: str, key: str | None, seed: int, salt: str) -> None:
+    """The unmeasured warm-up call, straight over HTTP (a second `vllm bench serve` would spend ~30 s
+    starting): spec.num_prompts completions at once, prompts of the run's shape (random token ids of
+    spec.input_len, or the prompts file's texts), spec.output_len tokens each, all under their own salt."""
+    status, body = http_get(f"{base}/v1/models", key)
+    if status != 200:
+        raise RuntimeError(f"warm-up: GET {base}/v1/models -> HTTP {status}")
+    model = json.loads(body)["data"][0]["id"]
+    rng = random.Random(seed)
+    if spec.dataset == "random":
+        prompts = [[rng.choice(WARMUP_TOKEN_IDS) for _ in range(spec.input_len)] for _ in range(spec.num_prompts)]
+    else:
+        texts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
+        prompts = [texts[(i + seed) % len(texts)] for i in range(spec.num_prompts)]
+    extra = {"ignore_eos": True} if args.ignore_eos else {}
+    if args.temperature is not None:
+        extra["temperature"] = args.temperature
+    bodies = [{"model": model, "prompt": p, "max_tokens": spec.output_len, "cache_salt": salt, **extra}
+              for p in prompts]
+    with ThreadPoolExecutor(max_workers=spec.concurrency) as pool:
+        list(pool.map(lambda b: http_post_json(f"{base}/v1/completions", key, b), bodies))
+
+
 def run_one(run: br.RunSpec, args, base: str, key: str | None, seed: int, workdir: str) -> dict:
     warmup = None
     if args.warmup:  # own seed and salt: nothing it sends can be served from the cache to the measured call
         spec, warm_seed = br.warmup_run(run), seed + WARMUP_SEED_OFFSET
-        bench_serve(spec, args, base, key, warm_seed, f"{args.tag}-{seed}-{spec.name}", workdir)
-        warmup = {"num_prompts": spec.num_prompts, "output_len": spec.output_len, "seed": warm_seed}
+        t0 = time.time()
+        warm_up(spec, args, base, key, warm_seed, f"{args.tag}-{seed}-{spec.name}")
+        warmup = {"num_prompts": spec.num_prompts, "output_len": spec.output_len, "seed": warm_seed,
+                  "seconds": round(time.time() - t0, 2)}
     salt = f"{args.tag}-{seed}-{run.name}"
     before = metrics(base, key)
     raw = bench_serve(run, args, base, key, seed, salt, workdir)
@@ -202,6 +240,18 @@ def main(argv: list[str]) -> int:
     seed = args.seed if args.seed is not None else int(time.time()) % 2**31
     sections: dict[str, dict] = {"cohorts": {}, "prefill": {}, "long_context": {}}
     errors, notes = {}, list(args.note)
+    machine, started = machine_facts(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+    def report(unfinished: list[str]) -> dict:
+        run_notes = notes + ([f"unfinished: {', '.join(unfinished)} (the harness stopped before them)"]
+                             if unfinished else [])
+        if any(c.get("prefix_cache_hit_rate", 0) > 0.05 for c in sections["cohorts"].values()):
+            run_notes.append("prefix-cache hits above 5% inside a cohort: prompts were served from the cache")
+        return br.build_report(tag=args.tag, mode=args.mode, machine=machine, server=server,
+                               runs={**{k: v for k, v in sections.items() if v}, "errors": errors,
+                                     "meta": dict(m.split("=", 1) for m in args.meta), "date": started,
+                                     "base_seed": seed}, notes=run_notes)
+
     with tempfile.TemporaryDirectory(prefix="qs-bench-") as workdir:
         for i, run in enumerate(runs):
             if run.input_len and max_len and run.input_len + run.output_len > max_len:
@@ -222,17 +272,13 @@ def main(argv: list[str]) -> int:
                         f"{fig['decode_tok_s']:.1f} decode tok/s, {fig['tokens_per_step']:.2f} tokens/step, "
                         f"TTFT {fig['ttft_ms']['mean']:.0f} ms")
             print(f"    {headline} ({time.time() - t0:.0f} s)", flush=True)
-    if any(c.get("prefix_cache_hit_rate", 0) > 0.05 for c in sections["cohorts"].values()):
-        notes.append("prefix-cache hits above 5% inside a cohort: prompts were served from the cache")
-    report = br.build_report(tag=args.tag, mode=args.mode, machine=machine_facts(), server=server,
-                             runs={**{k: v for k, v in sections.items() if v}, "errors": errors,
-                                   "meta": dict(m.split("=", 1) for m in args.meta),
-                                   "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "base_seed": seed},
-                             notes=notes)
-    br.write_json_atomic(report_path, report)
+            if i + 1 < len(runs):  # a harness stopped from outside keeps what it measured
+                br.write_json_atomic(report_path, report([r.name for r in runs[i + 1:]]))
+    final = report([])
+    br.write_json_atomic(report_path, final)
     if sections["cohorts"] or sections["prefill"]:
-        br.plot_report(report, report_path.with_suffix(".png"))
-    print(br.summary_markdown(report))
+        br.plot_report(final, report_path.with_suffix(".png"))
+    print(br.summary_markdown(final))
     print(f"wrote {report_path}")
     if errors:
         print(f"run_benchmarks: {len(errors)} run(s) failed: {', '.join(errors)}", file=sys.stderr)

@@ -4,6 +4,7 @@ arguments (parsed by vLLM 0.28.0's own parser), argument errors, and what it rea
 from __future__ import annotations
 
 import http.server
+import itertools
 import json
 import os
 import subprocess
@@ -119,7 +120,9 @@ def test_script_without_server_writes_nothing(tmp_path):
 class _FakeVllm(http.server.ThreadingHTTPServer):
     """Answers the read-only routes the harness asks a vLLM 0.28.0 server for (no /server_info: dev mode off)."""
 
-    def __init__(self, metrics_text: str, api_key: str):
+    def __init__(self, metrics_text: str, api_key: str, on_completion=None):
+        self.barrier: threading.Barrier | None = None
+        fake = self
         routes = {
             "/version": json.dumps({"version": "0.28.0"}),
             "/v1/models": json.dumps({"object": "list", "data": [
@@ -133,6 +136,22 @@ class _FakeVllm(http.server.ThreadingHTTPServer):
                 authorized = self.path == "/metrics" or self.headers.get("Authorization") == f"Bearer {api_key}"
                 code = 401 if not authorized else 200 if body is not None else 404
                 data = (body if code == 200 else '{"detail":"Not Found"}').encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.headers.get("Authorization") != f"Bearer {api_key}":
+                    code, data = 401, b'{"detail":"Unauthorized"}'
+                elif self.path == "/v1/completions" and on_completion:
+                    on_completion(body)
+                    if fake.barrier:
+                        fake.barrier.wait()  # raises BrokenBarrierError (no answer) unless the cohort came at once
+                    code, data = 200, json.dumps({"choices": [{"text": " x"}]}).encode()
+                else:
+                    code, data = 404, b'{"detail":"Not Found"}'
                 self.send_response(code)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -164,7 +183,7 @@ def test_server_facts_from_a_vllm_like_server():
     assert facts["vllm_config"] is None and "VLLM_SERVER_DEV_MODE=1" in facts["vllm_config_note"]
 
 
-def test_warmup_call_precedes_each_run_outside_its_metrics_window(monkeypatch, vllm_bench_parser, tmp_path):
+def test_warmup_call_precedes_each_run_outside_its_metrics_window(monkeypatch, tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
     import harness
 
@@ -183,22 +202,20 @@ def test_warmup_call_precedes_each_run_outside_its_metrics_window(monkeypatch, v
 
     monkeypatch.setattr(harness, "bench_serve", fake_bench_serve)
     monkeypatch.setattr(harness, "metrics", fake_metrics)
+    monkeypatch.setattr(harness, "warm_up", lambda spec, args, base, key, seed, salt: events.append(
+        ("warm", spec, seed, salt)))
     args = harness.parse_args(["batch", "--tag", "t", "--out", str(tmp_path)])
     (c64,) = br.plan_runs("batch")
     fig = harness.run_one(c64, args, "http://h:1", None, 7, str(tmp_path))
-    assert [e[0] for e in events] == ["bench", "metrics", "bench", "metrics"]  # warm-up, then the measured window
+    assert [e[0] for e in events] == ["warm", "metrics", "bench", "metrics"]  # warm-up, then the measured window
     _, warm, warm_seed, warm_salt = events[0]
     _, measured, seed, salt = events[2]
     assert measured == c64 and seed == 7 and salt == "t-7-C64" == fig["cache_salt"]
     # the same shapes (64 at a time, 128-token prompts), short answers, its own seed and salt
     assert (warm.concurrency, warm.num_prompts, warm.input_len, warm.dataset) == (64, 64, 128, "random")
     assert warm.output_len == br.WARMUP_OUTPUT_LEN and warm_seed != seed and warm_salt != salt
-    assert fig["warmup"] == {"num_prompts": 64, "output_len": br.WARMUP_OUTPUT_LEN, "seed": warm_seed}
-    ns = vllm_bench_parser.parse_args(br.bench_serve_args(warm, base_url="http://h:1", seed=warm_seed,
-                                                          cache_salt=warm_salt, result_dir=str(tmp_path),
-                                                          prompts_file=str(PROMPTS)))
-    assert (ns.max_concurrency, ns.num_prompts, ns.random_input_len, ns.random_output_len) == (64, 64, 128, 16)
-    assert ns.result_filename == "C64-warmup.json"  # never overwrites the measured call's result
+    assert {k: fig["warmup"][k] for k in ("num_prompts", "output_len", "seed")} == {
+        "num_prompts": 64, "output_len": br.WARMUP_OUTPUT_LEN, "seed": warm_seed}
 
     prefill = br.warmup_run(br.plan_runs("single", prefill=True)[4])
     assert (prefill.num_prompts, prefill.output_len, prefill.input_len) == (1, 1, 1024)
@@ -208,3 +225,71 @@ def test_warmup_call_precedes_each_run_outside_its_metrics_window(monkeypatch, v
     no_warm = harness.parse_args(["batch", "--no-warmup", "--tag", "t", "--out", str(tmp_path)])
     fig = harness.run_one(c64, no_warm, "http://h:1", None, 7, str(tmp_path))
     assert [e[0] for e in events] == ["metrics", "bench", "metrics"] and fig["warmup"] is None
+
+
+def test_warmup_sends_the_runs_shapes_at_once_over_http(tmp_path):
+    """The warm-up's requests reach the server together (a barrier the size of the cohort lets none of them
+    answer before all have arrived), with the run's prompt length, short answers and the warm-up's own salt."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import harness
+
+    bodies: list[dict] = []
+    server = _FakeVllm((REPO / "bench" / "fixtures" / "metrics_before.txt").read_text(), "k", bodies.append)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_port}"
+    try:
+        args = harness.parse_args(["batch", "--tag", "t", "--out", str(tmp_path), "--ignore-eos"])
+        server.barrier = threading.Barrier(8, timeout=20)
+        spec = br.warmup_run(br.plan_runs("batch", cohorts=(8,))[0])
+        harness.warm_up(spec, args, base, "k", 11, "salt-w")
+        random_bodies = list(bodies)
+        bodies.clear()
+        server.barrier = threading.Barrier(2, timeout=20)
+        single = harness.parse_args(["single", "--tag", "t", "--out", str(tmp_path), "--temperature", "0"])
+        harness.warm_up(br.warmup_run(br.plan_runs("single", cohorts=(2,))[0]), single, base, "k", 11, "s2")
+        with pytest.raises(RuntimeError, match="HTTP 401"):
+            harness.warm_up(spec, args, base, "wrong", 11, "salt-w")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(random_bodies) == 8 and len({json.dumps(b["prompt"]) for b in random_bodies}) == 8
+    assert all(len(b["prompt"]) == 128 and all(t in harness.WARMUP_TOKEN_IDS for t in b["prompt"])
+               for b in random_bodies)
+    assert {(b["model"], b["max_tokens"], b["cache_salt"], b["ignore_eos"]) for b in random_bodies} == {
+        ("qwen3.8-27b", br.WARMUP_OUTPUT_LEN, "salt-w", True)}
+    texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    assert len(bodies) == 2 and all(b["prompt"] in texts and b["temperature"] == 0 for b in bodies)
+    assert bodies[0]["prompt"] != bodies[1]["prompt"] and "ignore_eos" not in bodies[0]
+
+
+def test_a_stopped_harness_keeps_what_it_measured(monkeypatch, tmp_path):
+    """On the H200 a visit's device time ran out inside a harness call, and every figure it had measured was
+    lost with it: the report is now written after each run, naming the runs still to come."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import harness
+
+    fixtures = REPO / "bench" / "fixtures"
+    raw = json.loads((fixtures / "vllm_bench_serve_C1.json").read_text())
+    pages = itertools.cycle([(fixtures / "metrics_before.txt").read_text(),
+                             (fixtures / "metrics_after.txt").read_text()])
+    calls = []
+
+    def fake_bench_serve(run, args, base, key, seed, salt, workdir):
+        calls.append(run.name)
+        if len(calls) > 1:
+            raise KeyboardInterrupt  # the visit ends: nothing after this line runs
+        return raw
+
+    monkeypatch.setattr(harness, "bench_serve", fake_bench_serve)
+    monkeypatch.setattr(harness, "metrics", lambda base, key: br.snapshot(next(pages)))
+    monkeypatch.setattr(harness, "warm_up", lambda *a: None)
+    monkeypatch.setattr(harness, "server_facts", lambda base, key: {
+        "url": base, "vllm_version": "0.28.0", "model": {"id": "m", "root": "/m", "max_model_len": 65536},
+        "cache_config": {}, "vllm_config": None})
+    argv = ["single", "--cohorts", "1,2,4", "--num-prompts", "1", "--tag", "t", "--out", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        harness.main(argv)
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert list(report["cohorts"]) == ["C1"] and calls == ["C1", "C2"]
+    assert "unfinished: C2, C4 (the harness stopped before them)" in report["notes"]
+    assert not list(tmp_path.glob("*.tmp*"))

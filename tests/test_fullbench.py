@@ -3,6 +3,7 @@ parser, the measurements each config runs, the stock-reproduction check, and ben
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -232,3 +233,32 @@ def test_run_full_dry_run_lists_servers_and_runs(tmp_path):
     assert commands[0].startswith("PYTHONPATH=/s ") and commands[2].startswith("PYTHONPATH=/p:/s ")
     assert '"num_speculative_tokens": 4' in commands[1] and "VLLM_MARLIN_INPUT_DTYPE=int8" in commands[2]
     assert "  steps: " in res.stdout and not (tmp_path / "out").exists()
+
+
+def test_measuring_keeps_the_merged_report_current(monkeypatch, tmp_path):
+    """A visit whose device time runs out inside a config still leaves its merged report, with the parts done
+    and the ones that were not (on the H200 `patched` lost its merged report that way)."""
+    sys.path.insert(0, str(RUN_FULL.parent))
+    import run_full as rf
+
+    cfg = fb.CONFIGS["patched-defaults"]
+    server = rf.Server(cfg, fb.ServerCommand(("vllm", "serve"), {}), 18020, "", tmp_path / "server.log")
+    seen = []
+
+    def fake_run(argv, **kwargs):
+        tag = argv[argv.index("--tag") + 1]
+        seen.append(tag)
+        if len(seen) == 3:
+            raise KeyboardInterrupt  # the visit ends during the third run
+        (tmp_path / f"{tag}.json").write_text(json.dumps({"cohorts": {"C1": {"tag": tag}}}))
+        return subprocess.CompletedProcess(argv, 0 if len(seen) == 1 else 1)
+
+    monkeypatch.setattr(rf.subprocess, "run", fake_run)
+    monkeypatch.setattr(rf, "gpu_state", lambda: "0 %, 0 MiB")
+    args = argparse.Namespace(python="py", ckpt=CKPT)
+    with pytest.raises(KeyboardInterrupt):
+        rf.measure(server, args, tmp_path, None)
+    merged = json.loads((tmp_path / "h200-full-patched-defaults.json").read_text())
+    assert merged["single"] == {"cohorts": {"C1": {"tag": "h200-full-patched-defaults-single"}}}
+    assert merged["batch"]["cohorts"]["C1"]["tag"] == "h200-full-patched-defaults-batch"
+    assert merged["errors"] == {"batch": "exit 1 (see h200-full-patched-defaults-batch.log)", "unfinished": "context"}

@@ -165,7 +165,7 @@ def measure(server: Server, args: argparse.Namespace, out: Path, gbps: float | N
     runs = fb.runs_for(cfg, python=args.python, repo=REPO, url=url, out=out, ckpt=args.ckpt, traces=traces)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), server.pythonpath])}
     parts, errors = {}, {}
-    for run in runs:
+    for i, run in enumerate(runs):
         argv = list(run.argv) + (["--bandwidth-gbps", str(gbps)] if run.part == "steps" and gbps else [])
         log(f"{cfg.name}: {run.part} ...")
         t0 = time.time()
@@ -180,6 +180,10 @@ def measure(server: Server, args: argparse.Namespace, out: Path, gbps: float | N
         if rc != 0:
             errors[run.part] = f"exit {rc} (see h200-full-{cfg.name}-{run.part}.log)"
         log(f"{cfg.name}: {run.part} exit {rc} after {time.time() - t0:.0f} s")
+        if i + 1 < len(runs):  # a visit that ends here keeps this config's figures so far
+            unfinished = {"unfinished": ", ".join(r.part for r in runs[i + 1:])}
+            write_json_atomic(out / f"h200-full-{cfg.name}.json",
+                              fb.merge(cfg.name, server.cmd.shell(), parts, {**errors, **unfinished}))
     return fb.merge(cfg.name, server.cmd.shell(), parts, errors)
 
 

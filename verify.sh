@@ -60,10 +60,10 @@ if [ "$INSTALL_ONLY" = 0 ]; then
     line WARN "gpu: no GPU (nvidia-smi found none); serving needs a 24 GB CUDA GPU"
   fi
   if [ -f "$MODEL/config.json" ]; then
-    # each prepare step done / missing, shards complete, tokenizer present (qwen_serving/prepare_status.py)
+    # each prepare step done / missing, shards complete, tokenizer present (qwen_serving/checkpoint/prepare_status.py)
     while IFS= read -r status; do
       line "${status%% *}" "${status#* }"
-    done < <(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m qwen_serving.prepare_status "$MODEL" 2>&1 \
+    done < <(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m qwen_serving.checkpoint.prepare_status "$MODEL" 2>&1 \
              | sed -E 's/^(PASS|WARN|FAIL) +/\1 /; t; s/^/FAIL /')
   else
     line WARN "model: $MODEL not present; the launchers fetch it on first start (or set MODEL=DIR)"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qwen_serving.benchreport import write_json_atomic  # noqa: E402
+from bench.report import write_json_atomic  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Write three sentences about the sea."}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}

@@ -7,7 +7,7 @@ prompt is distinct and salted (a random document per stream and rung, plus a per
 so nothing is served from the prefix cache; --shared gives every stream the same document with its
 own question at the end, which is what a prefix cache is for. Token arrival times come from
 continuous usage stats, so a chunk carrying several speculated tokens counts as several tokens.
-Figures (qwen_serving.benchreport.ladder_figures): per-stream decode, aggregate decode over the window
+Figures (bench.report.ladder_figures): per-stream decode, aggregate decode over the window
 in which all streams decode, end-to-end aggregate, mean TTFT.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from qwen_serving import benchreport as br  # noqa: E402
+from bench import report as br  # noqa: E402
 
 WORDS = ("harbour ledger north river winter engine copper signal garden market thunder lantern orchard "
          "bridge meadow compass silver island forest canvas mirror pocket velvet marble anchor window "

@@ -1,7 +1,7 @@
 """The serving harness behind bench/run_benchmarks.sh: `vllm bench serve` cohorts against a running
 server, /metrics deltas around each call, one report JSON (+ PNG) in bench/results/.
 
-The figures are computed by qwen_serving.benchreport; this file only talks to the server, runs
+The figures are computed by bench.report; this file only talks to the server, runs
 `vllm bench serve` and writes files.
 """
 
@@ -25,10 +25,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from qwen_serving import benchreport as br  # noqa: E402
+from bench import report as br  # noqa: E402
 
 # vLLM's CLI, with the CPU shims on a machine without a GPU (a no-op on CUDA machines).
-VLLM_CLI = ("from qwen_serving import cpu_compat; cpu_compat.install(); "
+VLLM_CLI = ("from qwen_serving.engine import cpu_compat; cpu_compat.install(); "
             "from vllm.entrypoints.cli.main import main; main()")
 WARMUP_SEED_OFFSET = 1_000_003  # far from the seeds of the measured runs (base seed + run index)
 WARMUP_TOKEN_IDS = range(100, 4000)  # ordinary tokens in Qwen's vocabulary and in the tiny test checkpoints'

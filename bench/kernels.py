@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from qwen_serving.benchreport import save_figure, write_json_atomic  # noqa: E402
+from bench.report import save_figure, write_json_atomic  # noqa: E402
 
 HQ, HKV, HEAD_DIM, VOCAB = 24, 4, 256, 248_320
 PAGE = 16
@@ -122,7 +122,7 @@ def spec_attn_point(attn, fa, ctx: int, q_len: int, hbm_gbs: float) -> dict:
 
 
 def bench_spec_attn(points: list[tuple[int, int]], hbm_gbs: float) -> list[dict]:
-    from qwen_serving.kernels.spec_attn import SpecAttention
+    from qwen_serving.engine.kernels.spec_attn import SpecAttention
 
     attn = SpecAttention(HQ, HKV, HEAD_DIM, max_batch=1, max_query_len=16, max_splits=64, device="cuda")
     return [spec_attn_point(attn, flash_attn(), ctx, q_len, hbm_gbs) for ctx, q_len in points]
@@ -134,7 +134,7 @@ def bench_spec_attn(points: list[tuple[int, int]], hbm_gbs: float) -> list[dict]
 def bench_topk_topp() -> dict:
     import torch
 
-    from qwen_serving.kernels.topk_topp import top_k_top_p_probs
+    from qwen_serving.engine.kernels.topk_topp import top_k_top_p_probs
 
     rows = 5
     n = copies_for(rows * VOCAB * 4)
@@ -189,7 +189,7 @@ def torch_lookup(history, lengths, num_draft: int, nmin: int = 6, nmax: int = 12
 def bench_lookup() -> dict:
     import torch
 
-    from qwen_serving.kernels.lookup import lookup_draft
+    from qwen_serving.engine.kernels.lookup import lookup_draft
 
     batch, width, draft = 8, 65536, 8
     n = copies_for(batch * width * 4)
@@ -213,7 +213,7 @@ def bench_lookup() -> dict:
 def prefill_point(fa, tokens: int) -> dict:
     import torch
 
-    from qwen_serving.kernels.prefill_int8_attn import prefill_int8_attention
+    from qwen_serving.engine.kernels.prefill_int8_attn import prefill_int8_attention
 
     q = torch.randn(tokens, HQ, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(tokens, HKV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)

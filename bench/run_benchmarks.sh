@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Benchmark a running vLLM server: bash bench/run_benchmarks.sh batch|single [--prefill] [--long] [--tag T] [--url URL]
-# All logic is in bench/harness.py (+ qwen_serving/benchreport.py); --help lists every option.
+# All logic is in bench/harness.py (+ bench/report.py); --help lists every option.
 # Python: $PYTHON, else the repo's venv/, else python3 (it must import vllm for `vllm bench serve`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -54,8 +54,8 @@ from types import MethodType, SimpleNamespace
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.report import write_json_atomic  # noqa: E402
 from qwen_serving import memory  # noqa: E402
-from qwen_serving.benchreport import write_json_atomic  # noqa: E402
 
 STATE_DTYPES = ("float32", "bfloat16", "float16")
 DECODE_BATCHES = (1, 8, 32, 64)  # batch mode runs up to MAX_SEQS=64 plain decodes
@@ -644,7 +644,7 @@ def gdn_layers_of(model: Path) -> int:
 def ensure_shape_checkpoint(model: Path) -> None:
     if (model / "config.json").exists():
         return
-    cmd = [sys.executable, "-m", "qwen_serving.synth", "--size", "shape", "--layers", "8", "--out", str(model),
+    cmd = [sys.executable, "-m", "qwen_serving.checkpoint.synth", "--size", "shape", "--layers", "8", "--out", str(model),
            "--seed", "0"]
     say(f"no checkpoint at {model}: {' '.join(cmd)}")
     subprocess.run(cmd, cwd=REPO, check=True)
@@ -756,7 +756,7 @@ def parser() -> argparse.ArgumentParser:
                     help="dtypes for --engine; runs add to an existing engine report")
     ap.add_argument("--engine-timeout", type=int, default=480, help="seconds one engine may take")
     ap.add_argument("--model", type=Path, default=DEFAULT_SHAPE_MODEL,
-                    help="shape checkpoint for --engine (made with qwen_serving.synth --size shape --layers 8 "
+                    help="shape checkpoint for --engine (made with qwen_serving.checkpoint.synth --size shape --layers 8 "
                          "if missing)")
     ap.add_argument("--engine-worker", choices=STATE_DTYPES,
                     help="internal: run one engine in this process and write --out (what --engine starts)")

@@ -8,7 +8,7 @@ Per batch size B: B streams without the profiler, 4 x --tokens long, give the me
 1000 x B / their aggregate decode rate over the window in which all B streams decode (the mean of
 the streams' own rates also counts steps that carry other streams' prefill; it is kept as
 per_stream_ms_per_token, and used only when the streams never overlapped). The same load, --tokens
-long, between /start_profile and /stop_profile gives a trace, which qwen_serving.stepprofile splits
+long, between /start_profile and /stop_profile gives a trace, which bench.step_analysis splits
 into kernel time per category and gaps. Bytes per category (weights from the checkpoint's
 safetensors headers, GDN state and KV from its config's shapes at the server's cache dtypes, read
 from /server_info when the server runs with VLLM_SERVER_DEV_MODE=1, else the checkpoint's, with a
@@ -32,8 +32,8 @@ sys.path.insert(0, str(HERE))
 from conc_ladder import Client, document, stream_one  # noqa: E402
 from harness import http_get  # noqa: E402
 
-from qwen_serving import benchreport as br  # noqa: E402
-from qwen_serving import stepprofile as sp  # noqa: E402
+from bench import report as br  # noqa: E402
+from bench import step_analysis as sp  # noqa: E402
 
 
 def device_copy_gbps(nbytes: int = 1 << 30) -> float | None:

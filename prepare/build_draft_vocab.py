@@ -18,8 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qwen_serving.quant import draft_vocab, steps  # noqa: E402
-from qwen_serving.quant.rewrite import run_step, say  # noqa: E402
+from qwen_serving.checkpoint import draft_vocab, steps  # noqa: E402
+from qwen_serving.checkpoint.console import say  # noqa: E402
+from qwen_serving.checkpoint.rewrite import run_step  # noqa: E402
 
 
 def main() -> int:

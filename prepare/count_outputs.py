@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from qwen_serving.quant import draft_vocab  # noqa: E402
+from qwen_serving.checkpoint import draft_vocab  # noqa: E402
 
 
 def api_key(explicit: str | None) -> str | None:

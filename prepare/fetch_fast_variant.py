@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qwen_serving.quant import hub  # noqa: E402
+from qwen_serving.checkpoint import hub  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qwen_serving.quant import steps  # noqa: E402
+from qwen_serving.checkpoint import steps  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(steps.main("quant_lm_head", __doc__))

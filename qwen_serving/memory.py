@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from . import kv_groups
+from .engine import kv_groups
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from qwen_serving import cpu_compat  # noqa: E402
+from qwen_serving.engine import cpu_compat  # noqa: E402
 
 cpu_compat.install()
 cpu_compat.inspect_models_in_process()

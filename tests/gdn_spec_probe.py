@@ -27,7 +27,7 @@ NUM_LINES = 8
 def main() -> None:
     vllm_parent = sys.argv[1]
     sys.path[:0] = [vllm_parent, str(REPO)]
-    from qwen_serving import cpu_compat
+    from qwen_serving.engine import cpu_compat
 
     cpu_compat.install()
     import vllm

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen_serving import benchreport
+from bench import report as benchreport
 
 RECORDED = Path(__file__).resolve().parents[1] / "bench" / "fixtures" / "recorded"
 

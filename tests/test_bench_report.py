@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen_serving import benchreport as br
+from bench import report as br
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "bench" / "fixtures"

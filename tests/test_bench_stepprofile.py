@@ -1,4 +1,4 @@
-"""Decode-step breakdown (qwen_serving.stepprofile) on a synthetic Kineto trace, values derived by hand.
+"""Decode-step breakdown (bench.step_analysis) on a synthetic Kineto trace, values derived by hand.
 
 bench/fixtures/step_trace_c1.json: one prefill step, then six decode steps 10 ms apart, each with
 the same kernels (offsets from the step start, microseconds):
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen_serving import stepprofile as sp
+from bench import step_analysis as sp
 
 FIX = Path(__file__).resolve().parents[1] / "bench" / "fixtures"
 
@@ -173,7 +173,7 @@ def test_cache_dtypes_refuse_what_they_cannot_size_before_anything_runs():
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
-    from qwen_serving import synth
+    from qwen_serving.checkpoint import synth
 
     out = tmp_path_factory.mktemp("synth") / "tiny"
     assert synth.main(["--size", "tiny", "--out", str(out), "--seed", "0"]) == 0
@@ -209,7 +209,7 @@ def test_cache_dtypes_read_vllms_own_server_info(tiny_checkpoint, flags, ssm, kv
 
 
 def _figures(*streams: tuple[float, list[float]]) -> dict:
-    from qwen_serving import benchreport as br
+    from bench import report as br
 
     return br.ladder_figures([s for s, _ in streams], [t for _, t in streams])
 

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qwen_serving.quant import ct_config
+from qwen_serving.checkpoint import ct_config
 
 HIDDEN = 256
 VOCAB = 1000  # not a multiple of 64: the padded rows of the embedding are exercised too
@@ -27,7 +27,7 @@ TOKEN_IDS = torch.tensor([[0, 999, 17, 17], [512, 3, 998, 1]])
 
 W4A16 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP, "dynamic": False}
 INT8_G128 = {**W4A16, "num_bits": 8}
-# The target the prepare step writes (qwen_serving/quant/ct_config.py): the MTP drafter names its copy
+# The target the prepare step writes (qwen_serving/checkpoint/ct_config.py): the MTP drafter names its copy
 # "mtp.embed_tokens", the VL target model "language_model.model.embed_tokens"; one pattern covers both.
 EMBED_GROUP = {"targets": [r"re:(.*\.)?embed_tokens$"], "weights": INT8_G128, "format": "pack-quantized"}
 LINEAR_GROUP = {"targets": ["Linear"], "weights": W4A16, "format": "pack-quantized"}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from engine_trees import ENV, load, tree
 
-from qwen_serving.spec_bounds import accepted_slot
+from qwen_serving.engine.gdn_spec_bounds import accepted_slot
 
 PROBE = Path(__file__).with_name("gdn_spec_probe.py")
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from test_kernel_spec_attn import make_paged
 
-from qwen_serving import attn_routing
-from qwen_serving.kernels.spec_attn import SpecAttention, spec_attention_reference
+from qwen_serving.engine import attn_routing
+from qwen_serving.engine.kernels.spec_attn import SpecAttention, spec_attention_reference
 
 HQ, HKV, D, PAGE = 12, 2, 32, 16
 

@@ -15,8 +15,8 @@ import torch
 from test_engine_hooks_attn import impl_like, metadata_for, recording_flash_attn
 from test_kernel_spec_attn import make_paged
 
-from qwen_serving import attn_routing
-from qwen_serving.kernels.spec_attn import spec_attention_reference
+from qwen_serving.engine import attn_routing
+from qwen_serving.engine.kernels.spec_attn import spec_attention_reference
 
 PAGE = 16
 

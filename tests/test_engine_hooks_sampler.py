@@ -1,4 +1,4 @@
-"""patches/sampler-small-topk.patch: vLLM's top-k/top-p masking through qwen_serving.kernels.topk_topp.
+"""patches/sampler-small-topk.patch: vLLM's top-k/top-p masking through qwen_serving.engine.kernels.topk_topp.
 
 The patched vLLM (tests/run.sh puts it first on the path) runs on CPU with the kernels interpreted by Triton.
 The stock reference is vLLM's own torch masking (``apply_top_k_top_p_pytorch``, or the pristine module with
@@ -14,7 +14,7 @@ import pytest
 import torch
 from engine_trees import load
 
-from qwen_serving import sampler_routing
+from qwen_serving.engine import sampler_routing
 
 VOCAB = 300
 

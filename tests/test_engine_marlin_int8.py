@@ -10,15 +10,15 @@ import pytest
 import torch
 from engine_trees import load
 
-from qwen_serving import marlin_int8
-from qwen_serving.marlin_int8 import (
+from qwen_serving.checkpoint.int4 import negate_groups, pack_int4, quantize_int4_groups
+from qwen_serving.engine import marlin_int8
+from qwen_serving.engine.marlin_int8 import (
     dequantize,
     fold_negative_scales,
     int8_activations_for,
     int16_scales_as_read,
     unpack_codes,
 )
-from qwen_serving.quant.int4 import negate_groups, pack_int4, quantize_int4_groups
 
 GROUP = 128
 MARLIN = "model_executor/kernels/linear/mixed_precision/marlin.py"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_embed_quant import vllm_env  # noqa: F401 - the single-process world and CPU construction shims
 
-from qwen_serving.mtp_draft_vocab import DraftVocab, read_draft_ids
+from qwen_serving.engine.mtp_draft_vocab import DraftVocab, read_draft_ids
 
 HIDDEN, VOCAB, K = 256, 1000, 100
 IDS = sorted(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:K].tolist())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen_serving import fullbench as fb
+from bench import fullbench as fb
 from qwen_serving.plan import Probe
 
 REPO = Path(__file__).resolve().parents[1]

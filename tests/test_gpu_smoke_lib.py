@@ -41,7 +41,7 @@ lib = _load_smoke_lib()
 @pytest.fixture(scope="module")
 def checkpoint_configs(tmp_path_factory):
     """Config and tokenizer files (no weights) of the tiny and shape checkpoints."""
-    from qwen_serving.synth import write_config_files
+    from qwen_serving.checkpoint.synth import write_config_files
 
     root = tmp_path_factory.mktemp("synth-configs")
     for size in ("tiny", "shape"):

@@ -8,7 +8,7 @@ from compressed_tensors.compressors.pack_quantized.base import PackedQuantizatio
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-from qwen_serving.quant.int4 import (
+from qwen_serving.checkpoint.int4 import (
     dequantize_int4_groups,
     negate_groups,
     negative_scale_share,

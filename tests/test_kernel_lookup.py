@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen_serving.kernels.lookup import LookupDraft, lookup_draft, lookup_draft_reference
+from qwen_serving.engine.kernels.lookup import LookupDraft, lookup_draft, lookup_draft_reference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -114,7 +114,7 @@ def test_out_of_range_slots_and_lengths_do_not_crash():
     script = textwrap.dedent(
         """
         import torch
-        from qwen_serving.kernels.lookup import lookup_draft
+        from qwen_serving.engine.kernels.lookup import lookup_draft
         history = torch.arange(40, dtype=torch.int32).remainder(4).reshape(2, 20)
         lengths = torch.tensor([10**9, -7], dtype=torch.int32)
         slots = torch.tensor([0, 1, 2**30, -2**30], dtype=torch.int32)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen_serving.kernels.prefill_int8_attn import prefill_attention_reference, prefill_int8_attention
+from qwen_serving.engine.kernels.prefill_int8_attn import prefill_attention_reference, prefill_int8_attention
 
 
 def _qkv(n_q, n_k, hq, hkv, d, seed=0, key_bias=0.0):

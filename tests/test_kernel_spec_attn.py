@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen_serving.kernels.spec_attn import SpecAttention, spec_attention_reference
+from qwen_serving.engine.kernels.spec_attn import SpecAttention, spec_attention_reference
 
 REPO = Path(__file__).resolve().parents[1]
 

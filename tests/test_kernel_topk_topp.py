@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from qwen_serving.kernels.topk_topp import (
+from qwen_serving.engine.kernels.topk_topp import (
     apply_top_k_top_p_small_k,
     sample_from_probs,
     sample_top_k_top_p,

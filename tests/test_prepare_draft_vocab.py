@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from test_prepare_steps import EPOCH, REPO, load_check, make_tiny, run, tree_state
 
-from qwen_serving.quant import ct_config, draft_vocab
-from qwen_serving.quant.checkpoint import ModelDir
-from qwen_serving.quant.steps import DRAFT_HEAD
+from qwen_serving.checkpoint import ct_config, draft_vocab
+from qwen_serving.checkpoint.model_dir import ModelDir
+from qwen_serving.checkpoint.steps import DRAFT_HEAD
 
 
 def test_top_k_and_coverage_on_a_small_known_distribution():

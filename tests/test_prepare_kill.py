@@ -20,7 +20,7 @@ from pathlib import Path
 
 from test_prepare_steps import EPOCH, REPO, STEPS, load_check, make_tiny, run, tree_state
 
-from qwen_serving.quant import transaction
+from qwen_serving.checkpoint import transaction
 
 TRIALS = 24
 

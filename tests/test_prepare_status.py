@@ -1,4 +1,4 @@
-"""python -m qwen_serving.prepare_status: the lines verify.sh prints for the model directory."""
+"""python -m qwen_serving.checkpoint.prepare_status: the lines verify.sh prints for the model directory."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import sys
 import pytest
 from test_prepare_steps import EPOCH, REPO, STEPS, make_tiny, run
 
-from qwen_serving import prepare_status
-from qwen_serving.quant import transaction
-from qwen_serving.quant.safetensors_io import SafetensorsFile
+from qwen_serving.checkpoint import prepare_status, transaction
+from qwen_serving.checkpoint.safetensors_io import SafetensorsFile
 
 
 @pytest.fixture
@@ -53,7 +52,7 @@ def test_fully_prepared_model_passes(model, tmp_path, capsys):
     assert "PASS lm_head: int8 (quant_lm_head recorded in prepared.json)" in lines
     assert any(line.startswith("PASS hashes: 6 file(s)") for line in lines), lines
     # the CLI as verify.sh runs it
-    proc = subprocess.run([sys.executable, "-m", "qwen_serving.prepare_status", str(model)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "qwen_serving.checkpoint.prepare_status", str(model)], cwd=REPO,
                           capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.count("PASS") == len(lines) - 1
 

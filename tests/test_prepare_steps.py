@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qwen_serving.quant import ct_config, int8, rewrite, steps, transaction
-from qwen_serving.quant.checkpoint import ModelDir
-from qwen_serving.quant.safetensors_io import SafetensorsFile, array_tensor, to_f32, write_file
+from qwen_serving.checkpoint import ct_config, int8, rewrite, steps, transaction
+from qwen_serving.checkpoint.model_dir import ModelDir
+from qwen_serving.checkpoint.safetensors_io import SafetensorsFile, array_tensor, to_f32, write_file
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ("quant_lm_head", "quant_embed", "quant_mtp")
@@ -23,11 +23,11 @@ EPOCH = "1700000000"
 
 
 def make_tiny(tmp_path_factory) -> Path:
-    """The tiny synthetic checkpoint (qwen_serving.synth), generated once per test session."""
+    """The tiny synthetic checkpoint (qwen_serving.checkpoint.synth), generated once per test session."""
     path = tmp_path_factory.getbasetemp() / "synth-tiny-seed0"
     if not (path / "config.json").exists():
         subprocess.run(
-            [sys.executable, "-m", "qwen_serving.synth", "--size", "tiny", "--out", str(path), "--seed", "0"],
+            [sys.executable, "-m", "qwen_serving.checkpoint.synth", "--size", "tiny", "--out", str(path), "--seed", "0"],
             check=True, cwd=REPO, capture_output=True,
         )
     return path

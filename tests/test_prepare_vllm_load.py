@@ -21,13 +21,13 @@ import textwrap
 
 from test_prepare_steps import REPO, make_tiny, run
 
-from qwen_serving.quant import steps
+from qwen_serving.checkpoint import steps
 
 _LOAD = textwrap.dedent(
     """
     import json, socket, sys
     from pathlib import Path
-    from qwen_serving import cpu_compat
+    from qwen_serving.engine import cpu_compat
     cpu_compat.install()
     import torch
     cpu_compat.inspect_models_in_process()

@@ -1,4 +1,4 @@
-"""The int8 format written by qwen_serving.quant is the one vLLM 0.28.0 reads.
+"""The int8 format written by qwen_serving.checkpoint is the one vLLM 0.28.0 reads.
 
 Checked against the installed libraries' own code, not a restatement of it: compressed-tensors'
 `pack_to_int32`, vLLM's dequant-gather embedding kernel (Triton, interpreted on CPU), and vLLM's
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from qwen_serving.quant import ct_config, int8
-from qwen_serving.quant.safetensors_io import bf16_to_f32
+from qwen_serving.checkpoint import ct_config, int8
+from qwen_serving.checkpoint.safetensors_io import bf16_to_f32
 
 REPO = Path(__file__).resolve().parents[1]
 

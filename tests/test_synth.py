@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen_serving import synth
-from qwen_serving.quant.int4 import dequantize_int4_groups, negative_scale_share, unpack_int4
-from qwen_serving.synth_tokenizer import ADDED_TOKENS, special_token_ids, tokenizer_size
+from qwen_serving.checkpoint import synth
+from qwen_serving.checkpoint.int4 import dequantize_int4_groups, negative_scale_share, unpack_int4
+from qwen_serving.checkpoint.synth_tokenizer import ADDED_TOKENS, special_token_ids, tokenizer_size
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -242,7 +242,7 @@ _LOAD_CHECK = textwrap.dedent(
     """
     import json, socket, sys, tempfile
     from pathlib import Path
-    from qwen_serving import cpu_compat
+    from qwen_serving.engine import cpu_compat
     cpu_compat.install()
     import torch
     cpu_compat.inspect_models_in_process()
@@ -252,7 +252,7 @@ _LOAD_CHECK = textwrap.dedent(
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
-    from qwen_serving import synth
+    from qwen_serving.checkpoint import synth
 
     class MissingOps:  # vllm._C is not built on CPU; layers only look ops up at init
         def __getattr__(self, name):

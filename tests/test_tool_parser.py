@@ -79,7 +79,7 @@ TWO_CALLS_EXPECTED = [
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from qwen_serving.synth_tokenizer import write_tokenizer
+    from qwen_serving.checkpoint.synth_tokenizer import write_tokenizer
 
     folder = tmp_path_factory.mktemp("qwen-tokenizer")
     write_tokenizer(folder)

@@ -1,6 +1,6 @@
 """The full-shape GPU flow (bench/gpu/README.md): generate the random-weight 27B checkpoint, start one server
 per config (all at once: they share the GPU while they boot), then, with nothing else on the GPU, measure the
-configs one after the other (qwen_serving.fullbench lists what each runs), stop each server after its
+configs one after the other (bench.fullbench lists what each runs), stop each server after its
 measurements, and merge its figures into OUT/h200-full-<config>.json. Progress goes to stdout; run it detached.
 
     python bench/gpu/run_full.py OUT CONFIG [CONFIG ...] [--patched-site DIR] [--before-measure CMD]
@@ -21,9 +21,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from qwen_serving import fullbench as fb  # noqa: E402
+from bench import fullbench as fb  # noqa: E402
+from bench.report import write_json_atomic  # noqa: E402
 from qwen_serving import plan  # noqa: E402
-from qwen_serving.benchreport import write_json_atomic  # noqa: E402
 
 RUN_TIMEOUT_S = 1200
 
@@ -203,7 +203,7 @@ def main(argv: list[str]) -> int:
     stock_path = os.pathsep.join([str(REPO), str(args.site)])
     if not (args.ckpt / "config.json").exists():
         log(f"generating the full-shape checkpoint in {args.ckpt}")
-        subprocess.run([args.python, "-m", "qwen_serving.synth", "--size", "full", "--out", str(args.ckpt),
+        subprocess.run([args.python, "-m", "qwen_serving.checkpoint.synth", "--size", "full", "--out", str(args.ckpt),
                         "--seed", "0"], cwd=REPO, env={**os.environ, "PYTHONPATH": stock_path}, check=True)
     gbps = device_copy_gbps(args.python, stock_path)
     log(f"device copy bandwidth: {gbps} GB/s")

@@ -38,7 +38,7 @@ def say(message: str) -> None:
 
 
 def synthesise(size: str, out: Path, record: dict, extra: tuple[str, ...] = ()) -> Path:
-    """`python -m qwen_serving.synth` into a fresh `out`; timed into record['phases_s'].
+    """`python -m qwen_serving.checkpoint.synth` into a fresh `out`; timed into record['phases_s'].
 
     QS_GPU_<SIZE>_CKPT (e.g. QS_GPU_TINY_CKPT) names an existing checkpoint to use instead.
     """
@@ -48,7 +48,7 @@ def synthesise(size: str, out: Path, record: dict, extra: tuple[str, ...] = ()) 
         return Path(given)
     if out.exists():
         shutil.rmtree(out)
-    argv = [sys.executable, "-m", "qwen_serving.synth", "--size", size, *extra, "--out", str(out), "--seed", "0"]
+    argv = [sys.executable, "-m", "qwen_serving.checkpoint.synth", "--size", size, *extra, "--out", str(out), "--seed", "0"]
     say(f"synth {size}: {' '.join(argv[1:])}")
     t0 = time.monotonic()
     done = subprocess.run(

@@ -26,7 +26,7 @@ export PYTHONPATH="$SITE:$ROOT" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 T
 
 if [ ! -f "$CKPT/config.json" ]; then
   log "2. full-shape checkpoint in $CKPT"
-  python3 -m qwen_serving.synth --size full --out "$CKPT" --seed 0 || log "checkpoint generation failed"
+  python3 -m qwen_serving.checkpoint.synth --size full --out "$CKPT" --seed 0 || log "checkpoint generation failed"
 fi
 
 log "3. GPU tests: $TESTS (log /tmp/visit-tests.log)"

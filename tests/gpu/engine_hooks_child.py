@@ -40,7 +40,7 @@ class ShadowCheck:
 
     def check(self, kind, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, output,
               host: dict) -> None:
-        from qwen_serving.kernels.spec_attn import spec_attention_reference
+        from qwen_serving.engine.kernels.spec_attn import spec_attention_reference
 
         tokens = int(query_start_loc[-1])
         want = spec_attention_reference(query[:tokens], key_cache, value_cache, block_table, seq_lens,
@@ -68,7 +68,7 @@ def install_shadow(shadow: ShadowCheck, routed: dict) -> None:
     import torch
     from vllm.v1.attention.backends import flash_attn as fa
 
-    from qwen_serving import attn_routing
+    from qwen_serving.engine import attn_routing
 
     for kind in routed:
         decide = getattr(attn_routing, f"takes_{kind}_path")

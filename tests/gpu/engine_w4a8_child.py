@@ -33,7 +33,7 @@ def main() -> int:
         os.environ["VLLM_MARLIN_INPUT_DTYPE"] = "int8"
         os.environ["VLLM_MARLIN_INT8_INCLUDE_RE"] = sys.argv[4] if len(sys.argv) > 4 else "mlp"
     if mode == "w4a8-nofold":
-        import qwen_serving.marlin_int8 as marlin_int8
+        import qwen_serving.engine.marlin_int8 as marlin_int8
 
         marlin_int8.fold_layer_scales = lambda *args, **kwargs: None
 

@@ -46,7 +46,7 @@ def engines() -> dict[str, dict]:
     RESULTS.mkdir(parents=True, exist_ok=True)
     model = work / "shape"
     if not (model / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "qwen_serving.synth", "--size", "shape", "--layers", "4",
+        subprocess.run([sys.executable, "-m", "qwen_serving.checkpoint.synth", "--size", "shape", "--layers", "4",
                         "--out", str(model), "--seed", "0", "--force"],
                        cwd=lib.REPO, env=lib.child_env(os.environ), check=True, timeout=900)
     children = {}
@@ -104,8 +104,8 @@ def test_marlin_w4a8_layer(monkeypatch):
     from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearLayerConfig
     from vllm.scalar_type import scalar_types
 
-    import qwen_serving.marlin_int8 as marlin_int8
-    from qwen_serving.quant.int4 import dequantize_int4_groups, negate_groups, pack_int4, quantize_int4_groups
+    import qwen_serving.engine.marlin_int8 as marlin_int8
+    from qwen_serving.checkpoint.int4 import dequantize_int4_groups, negate_groups, pack_int4, quantize_int4_groups
 
     monkeypatch.setattr(parameter, "get_tensor_model_parallel_rank", lambda: 0)
     monkeypatch.setattr(parameter, "get_tensor_model_parallel_world_size", lambda: 1)

@@ -54,7 +54,7 @@ def test_sampler_masks_equal_vllm_at_full_vocab(monkeypatch):
     torch = _cuda()
     from vllm.v1.sample.ops import topk_topp_sampler as stock
 
-    from qwen_serving import sampler_routing
+    from qwen_serving.engine import sampler_routing
 
     calls = []
     real = sampler_routing.apply_top_k_top_p_small_k
@@ -92,7 +92,7 @@ def test_verify_attention_matches_flash_attention(fa_version, monkeypatch):
     torch = _cuda()
     from vllm.v1.attention.backends import flash_attn as fa
 
-    from qwen_serving import attn_routing
+    from qwen_serving.engine import attn_routing
 
     page, q_len, seq_lens = 16, 5, [16384, 9000, 1500, 5]
     gen = torch.Generator(device="cuda").manual_seed(fa_version)
@@ -180,7 +180,7 @@ def mtp_engines() -> dict[str, dict]:
     RESULTS.mkdir(parents=True, exist_ok=True)
     model = Path(os.environ.get("QS_GPU_TINY_CKPT", work / "tiny"))
     if not (model / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "qwen_serving.synth", "--size", "tiny", "--out", str(model),
+        subprocess.run([sys.executable, "-m", "qwen_serving.checkpoint.synth", "--size", "tiny", "--out", str(model),
                         "--seed", "0", "--force"], cwd=lib.REPO, env=lib.child_env(os.environ), check=True, timeout=600)
     children = {}
     for name, (hooks, spec) in ENGINES.items():

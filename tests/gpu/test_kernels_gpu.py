@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen_serving.kernels.lookup import lookup_draft, lookup_draft_reference
-from qwen_serving.kernels.prefill_int8_attn import prefill_attention_reference, prefill_int8_attention
-from qwen_serving.kernels.spec_attn import SpecAttention, spec_attention_reference
-from qwen_serving.kernels.topk_topp import (
+from qwen_serving.engine.kernels.lookup import lookup_draft, lookup_draft_reference
+from qwen_serving.engine.kernels.prefill_int8_attn import prefill_attention_reference, prefill_int8_attention
+from qwen_serving.engine.kernels.spec_attn import SpecAttention, spec_attention_reference
+from qwen_serving.engine.kernels.topk_topp import (
     apply_top_k_top_p_small_k,
     sample_top_k_top_p,
     softmax,

@@ -56,7 +56,7 @@ def test_prepared_checkpoint_uses_int8_and_matches_greedy(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(REPO)] if p)
 
     base = tmp_path / "tiny"
-    _run([sys.executable, "-m", "qwen_serving.synth", "--size", "tiny", "--out", str(base), "--seed", "0"], env, 600)
+    _run([sys.executable, "-m", "qwen_serving.checkpoint.synth", "--size", "tiny", "--out", str(base), "--seed", "0"], env, 600)
     prepared = tmp_path / "tiny-prepared"
     shutil.copytree(base, prepared)
     for step in STEPS:
@@ -64,7 +64,7 @@ def test_prepared_checkpoint_uses_int8_and_matches_greedy(tmp_path):
     ids = tmp_path / "draft_ids.json"
     ids.write_text(json.dumps(list(range(0, 4096, 2))))  # half the tiny vocabulary (+ the stop ids)
     _run([sys.executable, str(REPO / "prepare" / "build_draft_vocab.py"), str(prepared), "--ids", str(ids)], env, 300)
-    _run([sys.executable, "-m", "qwen_serving.prepare_status", str(prepared), "--strict"], env, 120)
+    _run([sys.executable, "-m", "qwen_serving.checkpoint.prepare_status", str(prepared), "--strict"], env, 120)
 
     children = {}
     for name, model, speculate in (("base", base, False), ("prepared", prepared, True)):

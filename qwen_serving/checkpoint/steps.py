@@ -12,10 +12,12 @@ import json
 
 import numpy as np
 
-from qwen_serving.quant import ct_config, int8
-from qwen_serving.quant.checkpoint import CheckpointError, ModelDir, find_embed_tokens, text_config
-from qwen_serving.quant.rewrite import Change, Int8Matrix, model_dtype, run_step, say
-from qwen_serving.quant.safetensors_io import FLOAT_DTYPES, OutTensor, array_tensor
+from qwen_serving.checkpoint import ct_config, int8
+from qwen_serving.checkpoint.console import say
+from qwen_serving.checkpoint.int8 import Int8Matrix
+from qwen_serving.checkpoint.model_dir import CheckpointError, ModelDir, find_embed_tokens, text_config
+from qwen_serving.checkpoint.rewrite import Change, model_dtype, run_step
+from qwen_serving.checkpoint.safetensors_io import FLOAT_DTYPES, OutTensor, array_tensor
 
 VERSION = "1"
 MAX_RELATIVE_ERROR = 0.01

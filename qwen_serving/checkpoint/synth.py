@@ -1,6 +1,6 @@
 """Synthetic Qwen3.8-27B checkpoints in the on-disk format of the public W4A16 AutoRound export.
 
-    python -m qwen_serving.synth --size tiny|shape|full [--layers N] --out DIR --seed S [--device ...]
+    python -m qwen_serving.checkpoint.synth --size tiny|shape|full [--layers N] --out DIR --seed S [--device ...]
 
 Random weights, real format: a `Qwen3_5ForConditionalGeneration` config (hybrid 3 Gated DeltaNet :
 1 full-attention layers, a vision_config, one MTP layer), compressed-tensors `pack-quantized` int4
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from qwen_serving.quant.int4 import GROUP_SIZE, negate_groups, pack_int4
-from qwen_serving.synth_tokenizer import tokenizer_size, write_tokenizer
+from qwen_serving.checkpoint.int4 import GROUP_SIZE, negate_groups, pack_int4
+from qwen_serving.checkpoint.synth_tokenizer import tokenizer_size, write_tokenizer
 
 LM = "model.language_model."
 CODE_RMS = 4.5  # rms of uniform int4 codes: a scale of 1/(CODE_RMS*sqrt(in)) gives weights of std ~1/sqrt(in)
@@ -540,7 +540,7 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m qwen_serving.synth",
+        prog="python -m qwen_serving.checkpoint.synth",
         description="Write a random-weight Qwen3.8-27B checkpoint in the W4A16 AutoRound on-disk format.",
     )
     parser.add_argument("--size", choices=sorted(SIZES), required=True)

@@ -13,11 +13,14 @@ are chosen, because the engine multiplies by that rounded scale.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from qwen_serving.quant.safetensors_io import from_f32, to_f32
+from qwen_serving.checkpoint.console import Progress
+from qwen_serving.checkpoint.model_dir import CheckpointError
+from qwen_serving.checkpoint.safetensors_io import OutTensor, SafetensorsFile, array_tensor, from_f32, to_f32
 
 GROUP_SIZE = 128
 NUM_BITS = 8
@@ -94,3 +97,56 @@ class ErrorMeter:
     @property
     def relative(self) -> float:
         return (self.err_sq / self.ref_sq) ** 0.5 if self.ref_sq else 0.0
+
+
+ROW_CHUNK_BYTES = 64 * 1024 * 1024  # rows quantized at a time while a matrix streams
+
+
+@dataclass
+class Int8Matrix:
+    """Streams weight_packed, weight_scale, weight_shape for one float matrix of a shard."""
+
+    source: SafetensorsFile
+    tensor: str
+    module: str
+    scale_dtype: str
+    meter: ErrorMeter = field(default_factory=ErrorMeter)
+
+    def __post_init__(self) -> None:
+        info = self.source.tensors[self.tensor]
+        if len(info.shape) != 2:
+            raise CheckpointError(f"{self.tensor} is {list(info.shape)}, expected a matrix")
+        if info.dtype not in ("BF16", "F16", "F32"):
+            raise CheckpointError(f"{self.tensor} is {info.dtype}; expected a bf16/fp16/fp32 matrix (already quantized?)")
+        self.rows, self.cols = info.shape
+        if self.cols % GROUP_SIZE:
+            raise CheckpointError(f"{self.tensor}: {self.cols} columns are not a multiple of {GROUP_SIZE}")
+        self.dtype = info.dtype
+        self.scales = np.zeros((self.rows, self.cols // GROUP_SIZE), dtype=_storage(self.scale_dtype))
+
+    def _packed_chunks(self) -> Iterator[np.ndarray]:
+        weights = self.source.array(self.tensor)
+        step = max(1, ROW_CHUNK_BYTES // (4 * self.cols))
+        progress = Progress(self.module, self.rows)
+        for r0 in range(0, self.rows, step):
+            block = to_f32(np.asarray(weights[r0 : r0 + step]), self.dtype)
+            if not np.isfinite(block).all():
+                raise CheckpointError(f"{self.tensor} has non-finite values in rows {r0}..{r0 + len(block)}")
+            codes, scales = quantize_rows(block, self.scale_dtype)
+            self.meter.add(block, dequantize_rows(codes, scales, self.scale_dtype))
+            self.scales[r0 : r0 + len(block)] = scales
+            yield pack(codes)
+            progress.update(r0 + len(block))
+
+    def tensors(self) -> list[OutTensor]:
+        m = self.module
+        return [
+            OutTensor(f"{m}.weight_packed", "I32", (self.rows, self.cols // CODES_PER_WORD), self._packed_chunks),
+            # filled while weight_packed streams, which is written first
+            OutTensor(f"{m}.weight_scale", self.scale_dtype, self.scales.shape, lambda: [self.scales]),
+            array_tensor(f"{m}.weight_shape", "I64", np.array([self.rows, self.cols], dtype=np.int64)),
+        ]
+
+
+def _storage(dtype: str) -> np.dtype:
+    return {"BF16": np.dtype("<u2"), "F16": np.dtype("<f2"), "F32": np.dtype("<f4")}[dtype]

@@ -13,14 +13,12 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from qwen_serving.quant import int8, transaction
-from qwen_serving.quant.checkpoint import (
+from qwen_serving.checkpoint import transaction
+from qwen_serving.checkpoint.console import say
+from qwen_serving.checkpoint.model_dir import (
     CONFIG_NAME,
     INDEX_NAME,
     MANIFEST_NAME,
@@ -28,88 +26,17 @@ from qwen_serving.quant.checkpoint import (
     ModelDir,
     text_config,
 )
-from qwen_serving.quant.safetensors_io import (
+from qwen_serving.checkpoint.safetensors_io import (
     OutTensor,
     SafetensorsFile,
-    array_tensor,
     copied_tensor,
     file_sha256,
     planned_size,
-    to_f32,
     write_file,
 )
 
 MANIFEST_FORMAT = 1
 DISK_MARGIN = 256 * 1024 * 1024
-ROW_CHUNK_BYTES = 64 * 1024 * 1024
-
-
-def say(message: str) -> None:
-    print(message, flush=True)
-
-
-class Progress:
-    """One line per 10% of a long loop (plain lines: readable in logs and in a terminal)."""
-
-    def __init__(self, label: str, total: int):
-        self.label, self.total, self.next = label, total, 0.1
-        self.start = time.monotonic()
-
-    def update(self, done: int) -> None:
-        if self.total and done / self.total + 1e-9 >= self.next:
-            say(f"  {self.label}: {100 * done // self.total}% ({time.monotonic() - self.start:.1f} s)")
-            while self.next <= done / self.total + 1e-9:
-                self.next += 0.1
-
-
-@dataclass
-class Int8Matrix:
-    """Streams weight_packed, weight_scale, weight_shape for one float matrix of a shard."""
-
-    source: SafetensorsFile
-    tensor: str
-    module: str
-    scale_dtype: str
-    meter: int8.ErrorMeter = field(default_factory=int8.ErrorMeter)
-
-    def __post_init__(self) -> None:
-        info = self.source.tensors[self.tensor]
-        if len(info.shape) != 2:
-            raise CheckpointError(f"{self.tensor} is {list(info.shape)}, expected a matrix")
-        if info.dtype not in ("BF16", "F16", "F32"):
-            raise CheckpointError(f"{self.tensor} is {info.dtype}; expected a bf16/fp16/fp32 matrix (already quantized?)")
-        self.rows, self.cols = info.shape
-        if self.cols % int8.GROUP_SIZE:
-            raise CheckpointError(f"{self.tensor}: {self.cols} columns are not a multiple of {int8.GROUP_SIZE}")
-        self.dtype = info.dtype
-        self.scales = np.zeros((self.rows, self.cols // int8.GROUP_SIZE), dtype=_storage(self.scale_dtype))
-
-    def _packed_chunks(self) -> Iterator[np.ndarray]:
-        weights = self.source.array(self.tensor)
-        step = max(1, ROW_CHUNK_BYTES // (4 * self.cols))
-        progress = Progress(self.module, self.rows)
-        for r0 in range(0, self.rows, step):
-            block = to_f32(np.asarray(weights[r0 : r0 + step]), self.dtype)
-            if not np.isfinite(block).all():
-                raise CheckpointError(f"{self.tensor} has non-finite values in rows {r0}..{r0 + len(block)}")
-            codes, scales = int8.quantize_rows(block, self.scale_dtype)
-            self.meter.add(block, int8.dequantize_rows(codes, scales, self.scale_dtype))
-            self.scales[r0 : r0 + len(block)] = scales
-            yield int8.pack(codes)
-            progress.update(r0 + len(block))
-
-    def tensors(self) -> list[OutTensor]:
-        m = self.module
-        return [
-            OutTensor(f"{m}.weight_packed", "I32", (self.rows, self.cols // int8.CODES_PER_WORD), self._packed_chunks),
-            # filled while weight_packed streams, which is written first
-            OutTensor(f"{m}.weight_scale", self.scale_dtype, self.scales.shape, lambda: [self.scales]),
-            array_tensor(f"{m}.weight_shape", "I64", np.array([self.rows, self.cols], dtype=np.int64)),
-        ]
-
-
-def _storage(dtype: str) -> np.dtype:
-    return {"BF16": np.dtype("<u2"), "F16": np.dtype("<f2"), "F32": np.dtype("<f4")}[dtype]
 
 
 def model_dtype(model: ModelDir, fallback: str) -> str:

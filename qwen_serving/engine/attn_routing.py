@@ -1,7 +1,7 @@
 """When vLLM's FlashAttention backend hands a batch to our kernels instead of ``flash_attn_varlen_func``.
 
 Verify step (patches/spec-decode-attn.patch, ``VLLM_SPEC_DECODE_ATTN=1``): speculative-decode verify batches,
-every request with the same small number of query tokens (2-16), go to qwen_serving.kernels.spec_attn, whose
+every request with the same small number of query tokens (2-16), go to qwen_serving.engine.kernels.spec_attn, whose
 split-KV grid keeps the SMs busy where FlashAttention runs one program per (request, head). The kernel is exact
 causal attention over the paged cache for any batch whose query lengths fit, so these rules only pick where it
 pays; everything they refuse (prefill chunks, mixed batches, cascade attention, windows, soft caps, sinks,
@@ -12,7 +12,7 @@ The kernel's scratch (split partials) is allocated once, when the first layer is
 fixed addresses and vLLM's memory profiling counts it; layers of one geometry share it (they run one at a time).
 
 Prefill (patches/prefill-int8-attn.patch, ``VLLM_PREFILL_INT8_ATTN=1``): a prefill chunk of a single request on
-a head_dim-256 layer goes to qwen_serving.kernels.prefill_int8_attn (int8 Q.K^T), with the request's context
+a head_dim-256 layer goes to qwen_serving.engine.kernels.prefill_int8_attn (int8 Q.K^T), with the request's context
 gathered from the paged cache into contiguous K/V. The context length is the metadata's host ``max_seq_len``:
 for one request in prefill that is its exact length (computed + scheduled prompt tokens; prompt tokens are never
 rejected, unlike drafts). Anything else stays on FlashAttention, and so does a chunk under CUDA-graph capture

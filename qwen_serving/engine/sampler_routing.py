@@ -1,4 +1,4 @@
-"""When vLLM's sampler takes the sort-free small-k top-k/top-p kernel (qwen_serving.kernels.topk_topp).
+"""When vLLM's sampler takes the sort-free small-k top-k/top-p kernel (qwen_serving.engine.kernels.topk_topp).
 
 patches/sampler-small-topk.patch hands vLLM's ``apply_top_k_top_p`` the batch's largest top-k, read from the
 host array vLLM fills the device top-k from (so no device sync), and calls these functions, which decide from

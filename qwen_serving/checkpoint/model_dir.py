@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qwen_serving.quant.safetensors_io import SafetensorsError, SafetensorsFile
+from qwen_serving.checkpoint.safetensors_io import SafetensorsError, SafetensorsFile
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

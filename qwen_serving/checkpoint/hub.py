@@ -16,10 +16,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from qwen_serving.quant import ct_config, steps, transaction
-from qwen_serving.quant.checkpoint import CheckpointError, ModelDir, read_json, tokenizer_present
-from qwen_serving.quant.rewrite import Change, apply_change, say
-from qwen_serving.quant.safetensors_io import SafetensorsError, SafetensorsFile, copied_tensor
+from qwen_serving.checkpoint import ct_config, steps, transaction
+from qwen_serving.checkpoint.console import say
+from qwen_serving.checkpoint.model_dir import CheckpointError, ModelDir, read_json, tokenizer_present
+from qwen_serving.checkpoint.rewrite import Change, apply_change
+from qwen_serving.checkpoint.safetensors_io import SafetensorsError, SafetensorsFile, copied_tensor
 
 BASE_REPO = "dbirks/Qwen3.8-27B-W4A16-AutoRound"
 FAST_REPO = "syvai/qwen3.8-27b-3090-fast-variant"

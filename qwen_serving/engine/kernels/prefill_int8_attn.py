@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qwen_serving.kernels.spec_attn import interpreting
+from qwen_serving.engine.kernels.spec_attn import interpreting
 
 LOG2E = 1.4426950408889634
 

@@ -1,4 +1,4 @@
-"""A small Qwen-style tokenizer trained here, for the synthetic checkpoints (qwen_serving/synth.py).
+"""A small Qwen-style tokenizer trained here, for the synthetic checkpoints (qwen_serving/checkpoint/synth.py).
 
 Byte-level BPE with Qwen2's pre-tokenizer split, trained with the `tokenizers` library on text
 generated below (fixed seed, so every checkpoint gets the same tokenizer and the same token ids).

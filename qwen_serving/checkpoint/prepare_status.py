@@ -1,6 +1,6 @@
 """Report what prepare/ has done to a model directory: one PASS/WARN/FAIL line per check.
 
-    python -m qwen_serving.prepare_status models/Qwen3.8-27B-W4A16-AutoRound [--deep] [--strict]
+    python -m qwen_serving.checkpoint.prepare_status models/Qwen3.8-27B-W4A16-AutoRound [--deep] [--strict]
 
 Each prepare step is judged from the tensors themselves (dtype and packing) and cross-checked
 with prepared.json: a step the manifest records but the tensors contradict is a FAIL, a step not
@@ -15,9 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-from qwen_serving.quant import steps, transaction
-from qwen_serving.quant.checkpoint import CheckpointError, ModelDir, find_embed_tokens, tokenizer_present
-from qwen_serving.quant.safetensors_io import file_sha256
+from qwen_serving.checkpoint import steps, transaction
+from qwen_serving.checkpoint.model_dir import CheckpointError, ModelDir, find_embed_tokens, tokenizer_present
+from qwen_serving.checkpoint.safetensors_io import file_sha256
 
 
 class Report:

@@ -28,7 +28,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import memory
+from qwen_serving import memory
 
 CATEGORIES = ("marlin_gemm", "lm_head", "dense_gemm", "gdn", "attention", "norm_act", "sampling", "memory", "other")
 GAPS = ("gap_launch", "gap_host")
@@ -325,7 +325,7 @@ def state_bytes(text_config: dict, batch: int, ctx_tokens: int, *, ssm_dtype: st
 
 def measured_step_ms(figures: dict, batch: int) -> dict:
     """Milliseconds per decode step of `batch` concurrent streams measured without the profiler, from
-    qwen_serving.benchreport.ladder_figures. One step makes one token per stream (no speculation), so
+    bench.report.ladder_figures. One step makes one token per stream (no speculation), so
     the step time is 1000 x batch / aggregate_decode_tok_s, the rate over the window in which every
     stream decodes. The mean of each stream's own rate (per_stream) is slower: a stream's decode
     window also holds the steps that carry the other streams' prefill chunks. It is the fallback when

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import re
 
-from qwen_serving.quant import int8
+from qwen_serving.checkpoint import int8
 
 GROUP_PREFIX = "qs_"
 

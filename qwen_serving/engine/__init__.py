@@ -1,0 +1,10 @@
+"""Everything that runs inside the vLLM 0.28.0 process: the hooks our patches call, and kernels/.
+
+Naming rule: a hook module is named `<component>_<change>`, where component is the part of vLLM it
+hooks (one of HOOK_COMPONENTS) and change says what it does there, e.g. `attn_routing` (which attention
+kernel a call takes) or `gdn_spec_bounds` (the GDN kernels' speculative-slot bounds). Patches import
+only from this package; nothing here imports the planning modules of `qwen_serving` (plan, knobs,
+memory, patchset, model). tests/test_structure.py enforces both.
+"""
+
+HOOK_COMPONENTS = ("attn", "sampler", "marlin", "mtp", "kv", "gdn")

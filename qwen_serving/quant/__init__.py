@@ -1,1 +1,0 @@
-"""Quantization: int4/int8 group quantization, packing, checkpoint rewrites."""

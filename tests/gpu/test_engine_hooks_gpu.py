@@ -25,13 +25,14 @@ from types import SimpleNamespace
 import pytest
 import smoke_lib as lib
 
+from qwen_serving.model import HEAD_DIM, KV_HEADS, Q_HEADS, VOCAB
+
 pytestmark = pytest.mark.gpu
 
 RESULTS, WORK = lib.RESULTS, lib.WORK
 CHILD = Path(__file__).with_name("engine_hooks_child.py")
 ENGINE_TIMEOUT_S = 900
-VOCAB = 248320
-HQ, HKV, D = 24, 4, 256
+HQ, HKV, D = Q_HEADS, KV_HEADS, HEAD_DIM
 ENGINES = {"on": ("1", "mtp"), "off": ("0", "mtp"), "plain": ("0", "none")}  # name: (HOOKS, SPEC) of the child
 _record: dict = {}
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 GIB = 1 << 30
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # the children run as scripts, with only their own folder on sys.path
+if str(REPO) not in sys.path:  # imported from a script run by hand, without the repo on PYTHONPATH
     sys.path.insert(0, str(REPO))
 
 from bench import serving  # noqa: E402

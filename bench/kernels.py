@@ -29,7 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.report import save_figure, write_json_atomic  # noqa: E402
+from bench.report import save_figure  # noqa: E402
+from bench.serving import write_json_atomic  # noqa: E402
 from qwen_serving import model  # noqa: E402
 
 HQ, HKV, HEAD_DIM, VOCAB = model.Q_HEADS, model.KV_HEADS, model.HEAD_DIM, model.VOCAB

@@ -54,7 +54,7 @@ from types import MethodType, SimpleNamespace
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.report import write_json_atomic  # noqa: E402
+from bench.serving import write_json_atomic  # noqa: E402
 from qwen_serving import memory, model  # noqa: E402
 
 STATE_DTYPES = ("float32", "bfloat16", "float16")

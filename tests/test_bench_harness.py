@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench import report as br
+from bench import serving
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "run_benchmarks.sh"
@@ -172,7 +173,7 @@ def test_server_facts_from_a_vllm_like_server():
     try:
         base = f"http://127.0.0.1:{server.server_port}"
         facts = harness.server_facts(base, "k")
-        with pytest.raises(RuntimeError, match="HTTP 401"):
+        with pytest.raises(serving.HttpError, match="HTTP 401"):
             harness.server_facts(base, "wrong")
     finally:
         server.shutdown()
@@ -247,7 +248,7 @@ def test_warmup_sends_the_runs_shapes_at_once_over_http(tmp_path):
         server.barrier = threading.Barrier(2, timeout=20)
         single = harness.parse_args(["single", "--tag", "t", "--out", str(tmp_path), "--temperature", "0"])
         harness.warm_up(br.warmup_run(br.plan_runs("single", cohorts=(2,))[0]), single, base, "k", 11, "s2")
-        with pytest.raises(RuntimeError, match="HTTP 401"):
+        with pytest.raises(serving.HttpError, match="HTTP 401"):
             harness.warm_up(spec, args, base, "wrong", 11, "salt-w")
     finally:
         server.shutdown()

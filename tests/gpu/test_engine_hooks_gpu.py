@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 import smoke_lib as lib
 
+from bench import serving
 from qwen_serving.model import HEAD_DIM, KV_HEADS, Q_HEADS, VOCAB
 
 pytestmark = pytest.mark.gpu
@@ -47,7 +48,7 @@ def _cuda():
 
 def _save() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    lib.write_json_atomic(RESULTS / "engine-hooks-h200.json", _record)
+    serving.write_json_atomic(RESULTS / "engine-hooks-h200.json", _record)
 
 
 def test_sampler_masks_equal_vllm_at_full_vocab(monkeypatch):

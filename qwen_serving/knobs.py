@@ -50,14 +50,7 @@ class Ref:
 
 @dataclass(frozen=True)
 class Above:
-    """A condition: the knob's value is an integer above n."""
-
-    n: int
-
-
-@dataclass(frozen=True)
-class AtMost:
-    """A condition: the knob's value is a number no larger than n."""
+    """A condition: the knob's value is a number above n."""
 
     n: float
 
@@ -67,6 +60,10 @@ class Not:
     """A condition: the inner condition does not hold."""
 
     want: object
+
+
+def at_most(n: float) -> Not:
+    return Not(Above(n))
 
 
 @dataclass(frozen=True)
@@ -89,9 +86,7 @@ SET = "<set in the environment>"  # a condition: the knob was set by hand, whate
 def holds(want: object, have: object) -> bool:
     """Whether the value `have` meets the condition `want` (a value, a tuple of values, or one of the above)."""
     if isinstance(want, Above):
-        return isinstance(have, int) and have > want.n
-    if isinstance(want, AtMost):
-        return isinstance(have, int | float) and have <= want.n
+        return isinstance(have, int | float) and have > want.n
     if isinstance(want, Not):
         return not holds(want.want, have)
     if isinstance(want, Alternatives):
@@ -251,6 +246,7 @@ def _text(text: str) -> str:
 
 
 _samples(_fraction, "0.5", "1.0")
+_bit.choices = ("0", "1")  # type: ignore[attr-defined]
 _samples(_bit, "0", "1")
 _samples(_regex, ".", "mlp")
 _samples(_bytes_or_auto, "", "auto", "6GiB")
@@ -341,6 +337,11 @@ class Knob:
         """Values other than the default to try the knob at (from its parser)."""
         return self.parse.samples  # type: ignore[attr-defined]
 
+    @property
+    def choices(self) -> tuple[str, ...]:
+        """Every value the knob takes, for a choice or a 0/1 knob; () for the others."""
+        return getattr(self.parse, "choices", ())
+
     def idle_value(self) -> object:
         return self.defaults[-1].value if self.idle is None else self.idle
 
@@ -395,7 +396,7 @@ KNOBS: tuple[Knob, ...] = (
          "(15 = reproduction mode: +47% when answers quote the prompt, half the seats)", SINGLE),
     Knob("DRAFT_TOKENS", _int(1, 8), _rules(
         Limit(3, {"CTX": ("long", "huge")}, "spec: k=4 dies with an illegal memory access on FlashInfer",
-              allowed=AtMost(3), checked_when={"SPEC": "mtp", "CTX": "long"},  # FlashInfer is CTX=long's backend
+              allowed=at_most(3), checked_when={"SPEC": "mtp", "CTX": "long"},  # FlashInfer is CTX=long's backend
               message="DRAFT_TOKENS={DRAFT_TOKENS} on CTX=long: FlashInfer's spec-decode path dies with an illegal "
                       "memory access with 4 drafts once requests finish mid-batch (spec); set DRAFT_TOKENS=3 (or 2), "
                       "or CTX=fast for 4 drafts"),
@@ -404,7 +405,7 @@ KNOBS: tuple[Knob, ...] = (
         Rule(64, {"mode": "batch"}),
         Rule(2, {"CTX": "huge"}, "spec: 8 seats on CTX=huge preempts (10 preemptions, 40% less work done)"),
         Limit(4, {"SPEC": "dflash2", "DFLASH_TOKENS": Above(7)}, "spec: a 16-token block doubles the state page",
-              allowed=AtMost(4),
+              allowed=at_most(4),
               message="DFLASH_TOKENS={DFLASH_TOKENS} with MAX_SEQS={MAX_SEQS}: a long verify block doubles every "
                       "resident's state page and this boots, then dies on the first concurrent batch (spec); set "
                       "MAX_SEQS=4 (or unset it) or DFLASH_TOKENS=7"),
@@ -457,7 +458,7 @@ KNOBS: tuple[Knob, ...] = (
          export=Export("VLLM_PREFILL_INT8_ATTN", {"PREFILL_ATTN": "int8"}, lambda value: "1")),
     Knob("GPU_UTIL", _fraction, _rules(
         Limit(0.95, {"mode": "batch", "INT8_LAYERS": "."}, "spec: all-layer int8 needs GPU_UTIL=0.95",
-              allowed=AtMost(0.95), warn=True,
+              allowed=at_most(0.95), warn=True,
               message="INT8_LAYERS=. needs GPU_UTIL<=0.95 (spec), GPU_UTIL={GPU_UTIL} may not boot"),
         Rule(0.972, {"mode": "batch"}),
         Rule(0.93)), "--gpu-memory-utilization when KV_MEM is empty; batch's 0.972 OOMs the MTP path",

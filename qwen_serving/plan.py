@@ -34,6 +34,7 @@ VENV_PYTHON = "venv/bin/python"
 # VLLM_* names our patches read beside the knobs' own (for the misspelling check;
 # tests/test_knob_effects.py checks that a patch reads each).
 PATCH_ENV = ("VLLM_V2_CUDAGRAPH_MEM_MIB", "VLLM_SMALL_TOPK_SAMPLER")
+WSL2_PIN_MEMORY = "VLLM_WSL2_ENABLE_PIN_MEMORY"  # exported by the plan itself on WSL2 for SPEC=dflash2
 # vLLM names this module refers to, for when no vllm is installed to read the full list from.
 KNOWN_VLLM_ENV = ("VLLM_API_KEY", "VLLM_WSL2_ENABLE_PIN_MEMORY", "VLLM_USE_FLASHINFER_SAMPLER",
                   "VLLM_DISABLED_KERNELS", "VLLM_FLASH_ATTN_VERSION", "VLLM_TARGET_DEVICE")
@@ -252,9 +253,9 @@ def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require
     warnings += _check(v, probe, key, require_files, notes)
     sized, cache, weights = _size_pool(v, model, probe, notes, derived)
     argv, out_env = knobs.render(v, sized)
-    if v.spec == "dflash2" and probe.wsl2 and env.get("VLLM_WSL2_ENABLE_PIN_MEMORY") != "1":
-        out_env["VLLM_WSL2_ENABLE_PIN_MEMORY"] = "1"
-        notes.append("VLLM_WSL2_ENABLE_PIN_MEMORY=1 because this is WSL2 and SPEC=dflash2 (the V2 runner "
+    if v.spec == "dflash2" and probe.wsl2 and env.get(WSL2_PIN_MEMORY) != "1":
+        out_env[WSL2_PIN_MEMORY] = "1"
+        notes.append(f"{WSL2_PIN_MEMORY}=1 because this is WSL2 and SPEC=dflash2 (the V2 runner "
                      "allocates UVA buffers, which need pinned memory)")
     secret = {knobs.SECRET_ENV: key} if key_source == API_KEY_FILE else {}
     if cache:

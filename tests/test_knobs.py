@@ -74,6 +74,8 @@ def test_every_default_is_a_value_its_own_parser_accepts(mode):
                 continue
             assert knob.parse(str(rule.value)) == rule.value, knob.name
         assert knob.doc and "\n" not in knob.doc
+        for sample in knob.samples:  # tests/test_knob_effects.py tries each knob at these
+            knob.parse(sample)
 
 
 def test_resolve_reads_env_and_falls_back_to_rules():

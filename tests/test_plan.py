@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -371,10 +372,13 @@ def test_refusal_exits_2_and_names_the_fix():
 @pytest.fixture(scope="module")
 def prepared_base(tmp_path_factory) -> Path:
     """A repo whose base checkpoint (the tiny synthetic one) went through prepare/build_draft_vocab.py."""
+    tiny = tmp_path_factory.getbasetemp() / "synth-tiny-seed0"  # the path the prepare tests generate it at
+    if not (tiny / "config.json").exists():
+        synth = [sys.executable, "-m", "qwen_serving.checkpoint.synth", "--size", "tiny", "--seed", "0", "--out", str(tiny)]
+        subprocess.run(synth, check=True, cwd=REPO, capture_output=True, timeout=300)
     repo = tmp_path_factory.mktemp("repo")
     base = repo / knobs.BASE_MODEL
-    synth = [sys.executable, "-m", "qwen_serving.checkpoint.synth", "--size", "tiny", "--seed", "0", "--out", str(base)]
-    subprocess.run(synth, check=True, cwd=REPO, capture_output=True, timeout=300)
+    shutil.copytree(tiny, base)
     (repo / "ids.json").write_text(json.dumps({"ids": [1, 2, 3]}))
     assert not (base / "prepared.json").exists()
     return repo

@@ -7,9 +7,9 @@ READMEs carry (tests/test_knobs.py fails when a README drifts from this file).
 Defaults are ordered rules: the first rule whose conditions all hold gives the value. Conditions
 only name knobs listed earlier, so one pass in list order resolves everything (`resolve`). A `Limit`
 is a default that is also a bound: the same datum gives the value where its conditions hold and the
-refusal (or warning) for a value set by hand that breaks it. `CHECKS` holds the refusals and
-warnings that are not tied to one default. `render` turns resolved values into the argv and the
-exports; plan.py adds only what depends on the machine (files, free VRAM, the API key).
+refusal (or warning) for a value set by hand that breaks it. `CHECKS` holds the refusals and warnings
+not tied to one default. `render` turns the resolved values into the argv and the exports; plan.py
+adds only what depends on the machine (files, free VRAM, the API key).
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_trees import load
 
 from qwen_serving.checkpoint.int4 import negate_groups, pack_int4, quantize_int4_groups
 from qwen_serving.engine.marlin_int8 import (
@@ -18,6 +17,7 @@ from qwen_serving.engine.marlin_int8 import (
     int16_scales_as_read,
     unpack_codes,
 )
+from tests.helpers.engine_trees import load
 
 GROUP = 128
 MARLIN = "model_executor/kernels/linear/mixed_precision/marlin.py"

@@ -19,29 +19,12 @@ RUN_FULL = REPO / "bench" / "gpu" / "run_full.py"
 CKPT, TRACES = Path("/ckpt/full"), Path("/out/traces-x")
 
 
-@pytest.fixture(scope="module")
-def serve():
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    root = FlexibleArgumentParser(prog="vllm")
-    ServeSubcommand().subparser_init(root.add_subparsers(dest="subparser"))
-
-    def parse(argv: tuple[str, ...]):
-        assert argv[1:4] == ("-m", "vllm.entrypoints.cli.main", "serve")
-        ns = root.parse_args(list(argv[3:]))
-        ServeSubcommand().validate(ns)
-        return ns, EngineArgs.from_cli_args(ns)
-
-    return parse
-
-
 @pytest.mark.parametrize("name", list(fb.CONFIGS))
-def test_every_config_parses_through_vllm_serve(name, serve):
+def test_every_config_parses_through_vllm_serve(name, vllm_cli):
     cfg = fb.CONFIGS[name]
     cmd = fb.server_command(cfg, python="py", ckpt=CKPT, port=18025, traces=TRACES, probe=Probe.detect(REPO))
-    ns, ea = serve(cmd.argv)
+    assert cmd.argv[1:4] == ("-m", "vllm.entrypoints.cli.main", "serve")
+    ns, ea = vllm_cli.serve(cmd.argv)
     assert ns.model_tag == str(CKPT) and ns.port == 18025 and ns.host == "127.0.0.1"
     assert ea.served_model_name in (fb.SERVED_NAME, [fb.SERVED_NAME])
     if not cfg.shared_start:  # the reference launch: vLLM's profiling and defaults, no profiler

@@ -193,7 +193,7 @@ def test_commit_without_rename_exchange(model, tiny_source, tmp_path, monkeypatc
     reference = tmp_path / "ref" / "tiny"
     shutil.copytree(tiny_source, reference)
     assert run(reference, "quant_embed") == 0
-    monkeypatch.setattr(transaction, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(transaction, "exchange_paths", lambda a, b: False)
     assert run(model, "quant_embed") == 0
     assert tree_state(model) == tree_state(reference)
     assert not transaction.leftovers(model)

@@ -23,24 +23,6 @@ RUN_FULL = REPO / "bench" / "gpu" / "run_full.py"
 CKPT, TRACES = Path("/ckpt/full"), Path("/out/traces-x")
 
 
-@pytest.fixture(scope="module")
-def serve():
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    root = FlexibleArgumentParser(prog="vllm")
-    ServeSubcommand().subparser_init(root.add_subparsers(dest="subparser"))
-
-    def parse(argv: tuple[str, ...]):
-        assert argv[1:4] == ("-m", "vllm.entrypoints.cli.main", "serve")
-        ns = root.parse_args(list(argv[3:]))
-        ServeSubcommand().validate(ns)
-        return ns, EngineArgs.from_cli_args(ns)
-
-    return parse
-
-
 def command(name: str) -> fb.ServerCommand:
     return fb.server_command(fb.CONFIGS[name], python="py", ckpt=CKPT, port=18025, traces=TRACES,
                              probe=Probe.detect(REPO))
@@ -51,12 +33,12 @@ def plan_of(name: str):
 
 
 @pytest.mark.parametrize("name", list(fb.CONFIGS))
-def test_every_config_is_a_serve_plan_that_vllm_serve_parses(name, serve):
+def test_every_config_is_a_serve_plan_that_vllm_serve_parses(name, vllm_cli):
     cfg = fb.CONFIGS[name]
     served = plan_of(name)  # the plan's own checks passed (a refusal raises PlanError)
     assert served.mode == cfg.mode and not served.warnings, served.warnings
     cmd = command(name)
-    ns, ea = serve(cmd.argv)
+    ns, ea = vllm_cli.serve(cmd.argv)
     assert ns.model_tag == str(CKPT) and ns.port == 18025 and ns.host == "127.0.0.1"
     assert ea.served_model_name in (fb.SERVED_NAME, [fb.SERVED_NAME])
     assert ea.max_model_len == fb.MAX_LEN and ea.language_model_only and ea.gdn_prefill_backend == "triton"
@@ -113,7 +95,7 @@ def test_fixture_holds_every_config():
 
 
 @pytest.mark.parametrize("name", list(fb.CONFIGS))
-def test_commands_do_what_the_hand_written_ones_did(name, serve, monkeypatch, tmp_path):
+def test_commands_do_what_the_hand_written_ones_did(name, vllm_cli, monkeypatch, tmp_path):
     """Each config's command against the one bench/fullbench.py wrote by hand before it went through the plan
     (tests/fixtures/fullbench-commands-before-plan.json): the same engine arguments, and where the plan names
     what the old command left to vLLM, the value vLLM 0.28.0 picked for it."""
@@ -124,7 +106,7 @@ def test_commands_do_what_the_hand_written_ones_did(name, serve, monkeypatch, tm
     from qwen_serving.checkpoint.synth import write_config_files
 
     before, now = BEFORE[name], command(name)
-    (old_ns, old), (new_ns, new) = serve(tuple(before["argv"])), serve(now.argv)
+    (old_ns, old), (new_ns, new) = vllm_cli.serve(tuple(before["argv"])), vllm_cli.serve(now.argv)
     for arg in SAME:
         assert getattr(new, arg, getattr(new_ns, arg, None)) == getattr(old, arg, getattr(old_ns, arg, None)), arg
     assert (vars(new.profiler_config), new_ns.host, new_ns.port) == (vars(old.profiler_config), old_ns.host,

@@ -52,24 +52,7 @@ def checkpoint_configs(tmp_path_factory):
     return root / "tiny", root / "shape"
 
 
-def parse_serve(argv: list[str]):
-    """What `python -m vllm.entrypoints.cli.main serve ...` does with argv, up to the engine config."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    assert argv[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
-    top = FlexibleArgumentParser(prog="vllm")
-    ServeSubcommand().subparser_init(top.add_subparsers(dest="subcommand"))
-    args = top.parse_args(argv[3:])
-    args.model = args.model_tag  # ServeSubcommand.cmd does this
-    assert Path(args.model).is_dir(), "the model must be the local checkpoint (no hub look-up)"
-    validate_parsed_serve_args(args)
-    return args, EngineArgs.from_cli_args(args)
-
-
-def test_server_command_lines_resolve_to_the_intended_engine_configs(checkpoint_configs):
+def test_server_command_lines_resolve_to_the_intended_engine_configs(checkpoint_configs, vllm_cli):
     tiny, shape = checkpoint_configs
     specs = {**lib.tiny_server_specs(tiny), "c": lib.shape_server_spec(shape)}
     argvs = {key: lib.serve_argv(spec, 8123 + i) for i, (key, spec) in enumerate(specs.items())}
@@ -80,7 +63,9 @@ def test_server_command_lines_resolve_to_the_intended_engine_configs(checkpoint_
 
     configs = {}
     for key, argv in argvs.items():
-        args, engine_args = parse_serve(argv)
+        assert argv[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
+        args, engine_args = vllm_cli.serve(argv)
+        assert Path(args.model).is_dir(), "the model must be the local checkpoint (no hub look-up)"
         configs[key] = (args, engine_args.create_engine_config())
 
     for key in ("a", "b"):
@@ -114,15 +99,10 @@ def test_model_max_len_respects_the_checkpoint(tmp_path):
     assert lib.model_max_len(tmp_path, 4096) == 4096
 
 
-def test_bench_serve_command_line_parses(tmp_path):
-    from vllm.entrypoints.cli.benchmark.serve import BenchmarkServingSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
+def test_bench_serve_command_line_parses(tmp_path, vllm_cli):
     argv = lib.bench_serve_argv("http://127.0.0.1:9000", "tiny", tmp_path, tmp_path / "out", "bench.json")
     assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "bench", "serve"]
-    parser = FlexibleArgumentParser(prog="vllm bench serve")
-    BenchmarkServingSubcommand.add_cli_args(parser)
-    args = parser.parse_args(argv[5:])
+    args = vllm_cli.bench_serve(argv)
     assert (args.backend, args.base_url, args.model, args.tokenizer) == (
         "vllm",
         "http://127.0.0.1:9000",

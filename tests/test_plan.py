@@ -34,29 +34,14 @@ def probe(tmp_path, vllm_facts) -> Probe:
                  vllm_env=vllm_facts.vllm_env, tool_parsers=vllm_facts.tool_parsers)
 
 
-@pytest.fixture(scope="module")
-def serve_parser():
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    root = FlexibleArgumentParser(prog="vllm")
-    ServeSubcommand().subparser_init(root.add_subparsers(dest="subparser"))
-    return root
-
-
-def parse(serve_parser, argv: tuple[str, ...], kv_dtypes: frozenset[str]):
+def parse(vllm_cli, argv: tuple[str, ...], kv_dtypes: frozenset[str]):
     """Parse argv (starting `vllm serve`) like `vllm serve` does, then build EngineArgs."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-
     assert argv[:2] == ("vllm", "serve")
     args = list(argv[1:])
     if "kvarn" not in kv_dtypes and "kvarn" in args:
         # KVarN is not in the series yet; its dtype is the one word this vLLM cannot know.
         args[args.index("kvarn")] = "int4_per_token_head"
-    ns = serve_parser.parse_args(args)
-    ServeSubcommand().validate(ns)
-    return ns, EngineArgs.from_cli_args(ns)
+    return vllm_cli.serve(args)
 
 
 EXAMPLES = [
@@ -84,9 +69,9 @@ EXAMPLES = [
 
 @pytest.mark.parametrize(("mode", "env"), EXAMPLES, ids=[f"{m}-{'-'.join(f'{k}={v}' for k, v in e.items()) or 'default'}"
                                                           for m, e in EXAMPLES])
-def test_spec_examples_parse_through_vllm_serve(mode, env, probe, serve_parser):
+def test_spec_examples_parse_through_vllm_serve(mode, env, probe, vllm_cli):
     p = plan.build(mode, env, probe)
-    ns, ea = parse(serve_parser, p.argv, probe.kv_dtypes - {"kvarn"})
+    ns, ea = parse(vllm_cli, p.argv, probe.kv_dtypes - {"kvarn"})
     s = {k: v.value for k, v in p.settings.items()}
     assert ea.max_num_seqs == s["MAX_SEQS"] and ea.max_model_len == s["MAX_LEN"]
     assert ea.host == s["HOST"] if hasattr(ea, "host") else ns.host == s["HOST"]
@@ -112,12 +97,12 @@ def test_spec_examples_parse_through_vllm_serve(mode, env, probe, serve_parser):
         assert ea.tensor_parallel_size == 2
 
 
-def test_prefix_cache_0_turns_off_what_0_28_turns_on(probe, serve_parser):
+def test_prefix_cache_0_turns_off_what_0_28_turns_on(probe, vllm_cli):
     """vLLM 0.28.0 enables prefix caching for hybrids by default: PREFIX_CACHE=0 must say no."""
     argv = plan.build("single", {"PREFIX_CACHE": "0"}, probe).argv
     assert "--no-enable-prefix-caching" in argv
     bare = [a for a in argv if a != "--no-enable-prefix-caching"]
-    _, ea = parse(serve_parser, tuple(bare), probe.kv_dtypes)
+    _, ea = parse(vllm_cli, tuple(bare), probe.kv_dtypes)
     assert ea.enable_prefix_caching is None  # left to vLLM, which then turns it on for this model
 
 

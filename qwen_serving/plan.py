@@ -105,15 +105,19 @@ def _dict_keys(path: Path, pattern: str) -> frozenset[str]:
         return frozenset()
 
 
+# Run by the serving venv's python in a child process: this module stays standard library only.
+_TORCH_VRAM = ("import torch; assert torch.cuda.is_available(); "
+               "print(*torch.cuda.mem_get_info(0))")
+
+
 def read_vram() -> tuple[int | None, int | None, str]:
     """Free and total bytes of GPU 0: torch if it sees CUDA, else nvidia-smi, else (None, None, why)."""
     try:
-        import torch
-
-        if torch.cuda.is_available():
-            free, total = torch.cuda.mem_get_info(0)
-            return int(free), int(total), "torch.cuda.mem_get_info"
-    except Exception:  # torch absent or broken: fall through to nvidia-smi
+        out = subprocess.run([sys.executable, "-c", _TORCH_VRAM], capture_output=True, text=True, timeout=120,
+                             check=True).stdout
+        free, total = (int(x) for x in out.split())
+        return free, total, "torch.cuda.mem_get_info"
+    except (OSError, subprocess.SubprocessError, ValueError):  # no torch, or no CUDA: ask nvidia-smi
         pass
     smi = shutil.which("nvidia-smi")
     if smi:

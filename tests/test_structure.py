@@ -35,7 +35,6 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "qwen_serving"
 ENGINE = f"{PACKAGE}.engine"
 PLANNING = tuple(f"{PACKAGE}.{name}" for name in ("plan", "knobs", "memory", "patchset", "model"))
-OPTIONAL = {f"{PACKAGE}.model"}  # written on its own branch; checked once it exists
 STDLIB_ONLY = (*PLANNING, f"{ENGINE}.env_vars")
 PROJECT_PACKAGES = (PACKAGE, "bench")
 TEST_FILE = re.compile(r"(test_.*|conftest)\.py")
@@ -141,7 +140,7 @@ def stdlib_violations(root: Path) -> list[str]:
     found = []
     for start in STDLIB_ONLY:
         if start not in modules:
-            if start not in OPTIONAL and start in PLANNING:
+            if start in PLANNING:
                 found.append(f"{start} is missing: the planning modules are {', '.join(PLANNING)}")
             continue
         for chain, imp in reach(modules, start):
@@ -368,33 +367,16 @@ def private_violations(root: Path) -> list[str]:
 
 # -- this repository ----------------------------------------------------------------------------------
 
-# Violations only files owned by another branch can remove (line numbers left out); each must still be
-# found, so an entry goes as soon as its cause does.
-PENDING = {
-    # plan.py and knobs.py are being rewritten on the `knobs` branch
-    "stdlib_violations": {"qwen_serving.plan imports torch (qwen_serving.plan): it must stay standard library only "
-                          "(no torch, numpy or vLLM)"},
-    "private_violations": {"tests/test_knobs.py reaches into qwen_serving.knobs._holds"},
-}
-
-
-def unnumbered(message: str) -> str:
-    return re.sub(r":\d+\b|line \d+ of ", "", message)
-
-
 @pytest.mark.parametrize("check", [stdlib_violations, engine_violations, bench_violations, patch_violations,
                                    layout_violations, private_violations], ids=lambda f: f.__name__)
 def test_the_repository_keeps_the_rule(check):
-    found = {unnumbered(message) for message in check(REPO)}
-    pending = PENDING.get(check.__name__, set())
-    assert found - pending == set()
-    assert pending <= found, f"no longer found, remove from PENDING: {pending - found}"
+    assert list(check(REPO)) == []
 
 
 def test_the_checks_see_the_real_tree():
     """A check that finds nothing because it looks nowhere would pass every rule."""
     modules = index(REPO, PACKAGE)
-    assert {*PLANNING} - OPTIONAL <= set(modules) and f"{ENGINE}.env_vars" in modules
+    assert set(PLANNING) <= set(modules) and f"{ENGINE}.env_vars" in modules
     engine_modules = [name for name in modules if name.startswith(ENGINE + ".")]
     assert len(engine_modules) >= 8 and any(".kernels." in name for name in engine_modules)
     patched = [added_imports(p.read_text()) for p in sorted((REPO / "patches").glob("*.patch"))]

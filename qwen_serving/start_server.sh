@@ -7,6 +7,9 @@ MODE="$1"; shift
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=venv/bin/python
 [ -x "$PY" ] || PY=python3  # the plan is standard library only: it runs before install.sh
+# .env (Compose's syntax) for the plan and every first-start step; a variable already set wins
+dotenv_exports="$("$PY" -m qwen_serving.dotenv .env)"
+eval "$dotenv_exports"
 case "${1:-}" in
   --dry-run | explain | --missing) exec "$PY" -m qwen_serving.plan "$MODE" "$@" ;;
   "") ;;

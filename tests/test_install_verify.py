@@ -79,11 +79,67 @@ def test_install_on_complete_install_changes_nothing_and_says_so(venv_link):
         f"[install] already installed: {venv_link} has vllm 0.28.0 with the patch series applied; nothing changed"]
 
 
-def test_install_names_the_step_when_python_is_too_old(tmp_path):
-    fake_python = tmp_path / "python3"
-    fake_python.write_text("#!/bin/sh\n[ \"$1\" = -V ] && echo 'Python 3.8.10' && exit 0\nexit 1\n")
-    fake_python.chmod(0o755)
-    result = run("install.sh", pythonpath=str(REPO), venv=tmp_path / "newvenv", PYTHON=str(fake_python))
+def fake_python(bin_dir: Path, name: str, kind: str) -> Path:
+    """A `name` on PATH that behaves like one kind of interpreter install.sh may meet.
+
+    shim: a pyenv shim for a version pyenv lacks; old: Python 3.10; novenv: Debian's python without
+    python3.X-venv; good: this interpreter, whose `-m venv` makes a venv whose pip is blocked."""
+    bin_dir.mkdir(exist_ok=True)
+    site = bin_dir / f"site-{name}"
+    site.mkdir()
+    if kind == "old":
+        (site / "sitecustomize.py").write_text("import sys\nsys.version_info = (3, 10, 12, 'final', 0)\n")
+    if kind == "novenv":
+        (site / "ensurepip.py").write_text("raise ModuleNotFoundError(\"No module named 'ensurepip'\")\n")
+    body = {
+        "shim": f'echo "pyenv: {name}: command not found" >&2\nexit 127\n',
+        "good": 'if [ "$1" = -m ] && [ "$2" = venv ]; then mkdir -p "$3/bin"\n'
+                '  printf \'#!/bin/sh\\necho "pip blocked in tests" >&2\\nexit 97\\n\' > "$3/bin/python"\n'
+                '  chmod +x "$3/bin/python"; exit 0; fi\n'
+                f'exec {sys.executable} "$@"\n',
+    }.get(kind, f'PYTHONPATH={site} exec {sys.executable} "$@"\n')
+    path = bin_dir / name
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+def install_with(tmp_path: Path, **pythons: str) -> subprocess.CompletedProcess:
+    bin_dir = tmp_path / "bin"
+    for name, kind in pythons.items():
+        fake_python(bin_dir, name.replace("_", "."), kind)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", QS_VENV=str(tmp_path / "newvenv"), PYTHONPATH=str(REPO))
+    return subprocess.run(["bash", str(REPO / "install.sh")], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=300)
+
+
+def test_install_skips_a_broken_shim_and_takes_the_next_good_python(tmp_path):
+    result = install_with(tmp_path, python3_12="shim", python3_11="good")
+    shim, good = tmp_path / "bin" / "python3.12", tmp_path / "bin" / "python3.11"
+    assert f"[install] skipping python3.12 ({shim}): does not run (exit 127: pyenv: python3.12: command not found)" \
+        in result.stderr
+    assert f"[install] 1/4 create {tmp_path / 'newvenv'} with {good} (Python 3." in result.stdout
+    # it got past the venv: the fake venv's blocked pip is what stops it
+    assert result.returncode == 1 and 'FAILED at step "pip install"' in result.stderr, result.stderr
+
+
+def test_install_names_every_unusable_python(tmp_path):
+    result = install_with(tmp_path, python3_12="shim", python3_11="novenv", python3="old")
     assert result.returncode == 1
-    assert 'FAILED at step "create venv"' in result.stderr and "Python >= 3.11" in result.stderr
+    notes = [line for line in result.stderr.splitlines() if line.startswith("[install] skipping")]
+    assert [n.split(": ", 1)[1] for n in notes] == [
+        "does not run (exit 127: pyenv: python3.12: command not found)",
+        f"Python {sys.version.split()[0]} has no venv module: apt-get install python{sys.version_info[0]}."
+        f"{sys.version_info[1]}-venv",
+        "Python 3.10.12, need >= 3.11"]
+    assert 'FAILED at step "create venv": no usable Python >= 3.11' in result.stderr
+    assert not (tmp_path / "newvenv").exists()
+
+
+def test_install_refuses_an_unusable_python_named_by_python(tmp_path):
+    old = fake_python(tmp_path / "bin", "python3", "old")
+    result = run("install.sh", pythonpath=str(REPO), venv=tmp_path / "newvenv", PYTHON=str(old))
+    assert result.returncode == 1
+    assert f'FAILED at step "create venv": PYTHON={old}: Python 3.10.12, need >= 3.11' in result.stderr
     assert not (tmp_path / "newvenv").exists()

@@ -1,6 +1,6 @@
 # qwen-serving image: CUDA 13 runtime, Python 3.12 venv, the pinned stack (install.sh: vllm==0.28.0,
 # torch 2.13.0), the patch series applied and `verify.sh --install` run at build. Models are not in
-# the image: docker-compose.yml mounts ./models and its `prepare` service fills it.
+# the image: docker-compose.yml mounts ./models and each profile's prepare service fills it.
 FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
@@ -18,6 +18,7 @@ COPY patches/ patches/
 RUN PYTHON=python3.12 bash install.sh
 
 COPY . .
-ENV PATH=/opt/qwen-serving/venv/bin:$PATH
+# QS_CONTAINER: a refusal tells the user to set the knob in the host's .env (qwen_serving/start_server.sh)
+ENV PATH=/opt/qwen-serving/venv/bin:$PATH QS_CONTAINER=1
 EXPOSE 18020
 CMD ["bash", "single-user/start_qwen.sh"]

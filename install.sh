@@ -23,13 +23,48 @@ if installed && bash verify.sh --install --quiet >/dev/null 2>&1; then
   exit 0
 fi
 
+# Why a Python cannot make the venv, or nothing when it can: it runs (a pyenv shim for a version pyenv
+# lacks exits 127), it is >= 3.11, and it has venv and ensurepip (Debian ships them as python3.X-venv).
+unusable() {
+  local out rc=0
+  out=$("$1" -c 'import sys
+v = sys.version_info
+print("%d.%d.%d" % v[:3])
+if v < (3, 11): sys.exit(3)
+import venv, ensurepip' 2>&1) || rc=$?
+  case "$rc" in
+    0) return 1 ;;
+    3) echo "Python $(head -n 1 <<<"$out"), need >= 3.11" ;;
+    *) if [[ "$out" =~ ^3\.[0-9]+\.[0-9]+ ]] && grep -q "No module named" <<<"$out"; then
+         local minor; minor=$(head -n 1 <<<"$out" | cut -d. -f1,2)
+         echo "Python $(head -n 1 <<<"$out") has no venv module: apt-get install python$minor-venv"
+       else
+         echo "does not run (exit $rc: $(tail -n 1 <<<"$out"))"
+       fi ;;
+  esac
+}
+
+choose_python() {  # PYTHON if set (no fallback), else the first usable of python3.12, python3.11, python3
+  local cand path why
+  if [ -n "${PYTHON:-}" ]; then
+    why=$(unusable "$PYTHON") && fail "create venv" "PYTHON=$PYTHON: $why; Python >= 3.11 is required (3.12 preferred)"
+    echo "$PYTHON"; return
+  fi
+  for cand in python3.12 python3.11 python3; do
+    path=$(command -v "$cand") || continue
+    if why=$(unusable "$path"); then
+      step "skipping $cand ($path): $why" >&2
+    else
+      echo "$path"; return
+    fi
+  done
+  fail "create venv" "no usable Python >= 3.11 (tried python3.12, python3.11, python3 on PATH); install Python 3.12 with its venv module (apt-get install python3.12-venv) or set PYTHON=/path/to/python3.12"
+}
+
 if [ ! -x "$PY" ]; then
-  step "1/4 create $VENV"
-  PYTHON="${PYTHON:-$(command -v python3.12 || command -v python3.11 || command -v python3 || true)}"
-  [ -n "$PYTHON" ] || fail "create venv" "no python3 found; install Python 3.12 (e.g. apt-get install python3.12-venv)"
-  "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
-    || fail "create venv" "$PYTHON is $("$PYTHON" -V 2>&1); Python >= 3.11 is required (3.12 preferred): set PYTHON=/path/to/python3.12"
-  "$PYTHON" -m venv "$VENV" || fail "create venv" "python -m venv failed; install the venv module (apt-get install python3.12-venv)"
+  PYTHON=$(choose_python)
+  step "1/4 create $VENV with $PYTHON ($("$PYTHON" -V 2>&1))"
+  "$PYTHON" -m venv "$VENV" || fail "create venv" "$PYTHON -m venv failed; install the venv module (apt-get install python3.12-venv)"
 else
   step "1/4 reuse $VENV ($("$PY" -V 2>&1))"
 fi

@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
-# Check an install: one PASS/WARN/FAIL line per check; exit 1 if any check FAILs.
-#   bash verify.sh [--install] [--require-gpu] [--no-server] [--quiet]
+# Check an install and a running server: one PASS/WARN/FAIL line per check; exit 1 if any check FAILs.
+#   bash verify.sh [--install] [--require-gpu] [--no-server] [--mode MODE] [--log FILE] [--quiet]
 #   --install      checks the software only (used by install.sh and the Docker build: no GPU, no model yet)
 #   --require-gpu  a missing CUDA GPU is a FAIL instead of a WARN
-#   --no-server    do not probe a running server (the server probe is not written yet)
+#   --no-server    do not probe a running server (a server that is down is a FAIL otherwise)
+#   --mode MODE    batch or single (default): whose knobs give the server's HOST and PORT
+#   --log FILE     the server's output: attention backend, KV pool, spec decode as vLLM logged them
 #   --quiet        print FAIL lines only
-# Env: QS_VENV (default ./venv; falls back to python3 on PATH), MODEL (model dir to check).
+# Env: QS_VENV (default ./venv; falls back to python3 on PATH), MODEL (model dir to check), the launchers'
+# knobs and .env (HOST, PORT, VLLM_API_KEY or api_key.txt) for the server probe.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT" || exit 1
-INSTALL_ONLY=0; REQUIRE_GPU=0; QUIET=0
-for arg in "$@"; do
-  case "$arg" in
+INSTALL_ONLY=0; REQUIRE_GPU=0; QUIET=0; SERVER=1; probe_args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
     --install) INSTALL_ONLY=1 ;;
     --require-gpu) REQUIRE_GPU=1 ;;
-    --no-server) ;;
+    --no-server) SERVER=0 ;;
+    --mode | --log)
+      [ $# -ge 2 ] || { echo "verify.sh: $1 needs a value (see --help)" >&2; exit 2; }
+      probe_args+=("$1" "$2"); shift ;;
     --quiet) QUIET=1 ;;
-    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
-    *) echo "verify.sh: unknown option $arg (see --help)" >&2; exit 2 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    *) echo "verify.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
+  shift
 done
 VENV="${QS_VENV:-$ROOT/venv}"
 PY="$VENV/bin/python"; [ -x "$PY" ] || PY="$(command -v python3)"
@@ -68,6 +75,14 @@ if [ "$INSTALL_ONLY" = 0 ]; then
   else
     line WARN "model: $MODEL not present; the launchers fetch it on first start (or set MODEL=DIR)"
   fi
+fi
+
+if [ "$INSTALL_ONLY" = 0 ] && [ "$SERVER" = 1 ]; then
+  # /health, one chat request, KV pool, attention backend, spec decode (qwen_serving/server_check.py)
+  while IFS= read -r status; do
+    line "${status%% *}" "${status#* }"
+  done < <(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m qwen_serving.server_check "${probe_args[@]}" 2>&1 \
+           | sed -E 's/^(PASS|WARN|FAIL) +/\1 /; t; s/^/FAIL /')
 fi
 
 [ "$failures" -eq 0 ]

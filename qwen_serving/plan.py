@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import knobs, memory
+from . import dotenv, knobs, memory
 from .checkpoint import step_names
 from .knobs import API_KEY_FILE, BASE_MODEL, FAST_MODEL, HUGE_KV, KNOBS, KnobError, Setting, Sized, Values
 
@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     ap.add_argument("--dry-run", action="store_true", help="print the exports and the vllm command")
     ap.add_argument("--missing", action="store_true", help="print the first-start steps still to run")
     args = ap.parse_args(argv)
-    env = os.environ if env is None else env
+    env = dotenv.environment_or_exit(REPO / ".env") if env is None else env  # the environment over .env, as in Compose
     explain = args.action == "explain"
     try:
         probe = Probe.detect(read_gpu=explain or env.get("KV_MEM") == "auto")

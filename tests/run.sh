@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The one test command (CPU). Creates or reuses a light venv that imports vLLM 0.28.0,
 # copies the pristine vllm package, applies patches/series to the copy and runs pytest
-# against it. GPU tests (-m gpu) are skipped here; tests/gpu/README.md runs them.
-#   bash tests/run.sh [pytest args...]      e.g. bash tests/run.sh -k patchset -x
+# against it on two workers (pytest-xdist). GPU tests (-m gpu) are skipped here; tests/gpu/README.md runs them.
+#   bash tests/run.sh [pytest args...]      e.g. bash tests/run.sh -k patchset -x   (-n 0: one process)
+# The shell linter (shellcheck, a system package) is installed with apt-get when missing and this runs as root;
+# elsewhere tests/test_lint.py fails with the command to install it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -31,6 +33,11 @@ SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 PRISTINE="$SITE/vllm"
 [ -f "$PRISTINE/_version.py" ] || fail "no vllm package in $SITE (delete $VENV and re-run)"
 
+if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  step "installing shellcheck (apt-get)"
+  (apt-get update -qq && apt-get install -y -qq shellcheck >/dev/null) || echo "tests/run.sh: could not install shellcheck"
+fi
+
 # 2. a patched copy of the pristine package; the venv's own copy is never modified
 PATCHED_ROOT="${QS_PATCHED_ROOT:-$ROOT/build/vllm-patched}"
 step "copying pristine vllm to $PATCHED_ROOT and applying patches/series"
@@ -46,6 +53,6 @@ step "pytest (not gpu)"
 export QS_PRISTINE_VLLM="$PRISTINE" QS_PATCHED_VLLM="$PATCHED_ROOT/vllm"
 export VLLM_TARGET_DEVICE=cpu PYTHONPATH="$PATCHED_ROOT:$ROOT"
 rc=0
-"$PY" -m pytest -m "not gpu" -p no:cacheprovider "$@" tests || rc=$?
+"$PY" -m pytest -m "not gpu" -p no:cacheprovider -n 2 "$@" tests || rc=$?
 [ "$rc" -eq 5 ] && fail "pytest collected no tests"
 exit "$rc"

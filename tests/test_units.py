@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import configparser
+import fnmatch
+import json
 import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
+
+from tests.helpers.compose_bin import compose_binary
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {"batch": "batch", "single": "single-user"}
@@ -24,7 +27,7 @@ def test_launcher_is_short_and_only_calls_the_plan(folder):
     code = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     assert code == [f'exec bash "$(dirname "${{BASH_SOURCE[0]}}")/../qwen_serving/start_server.sh" {mode} "$@"']
     shared = (REPO / "qwen_serving" / "start_server.sh").read_text()
-    assert len(shared.splitlines()) <= 30
+    assert len(shared.splitlines()) <= 40
     body = [line for line in shared.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     assert all("vllm serve" not in line for line in body)  # the command comes from the plan only
     assert body[-1].startswith('exec venv/bin/python -m qwen_serving.plan "$MODE" run')
@@ -74,8 +77,36 @@ def test_first_start_runs_missing_steps_then_execs_vllm(tmp_path):
 def test_refusal_stops_before_any_step(tmp_path):
     root = fake_checkout(tmp_path)
     r = start(root, "batch", HOST="0.0.0.0")
-    assert r.returncode == 2 and "VLLM_API_KEY" in r.stderr
+    assert r.returncode == 2 and "VLLM_API_KEY" in r.stderr and ".env" not in r.stderr
     assert not (root / "steps.log").exists() and not (root / "vllm.log").exists()
+
+
+@pytest.mark.parametrize("args", [(), ("--prepare",), ("--dry-run",)])
+def test_refusal_in_the_image_says_what_to_put_in_dotenv(tmp_path, args):
+    root = fake_checkout(tmp_path)
+    r = subprocess.run(["bash", "qwen_serving/start_server.sh", "single", *args], cwd=root, capture_output=True,
+                       text=True, timeout=120, env={"PATH": os.environ["PATH"], "HOME": str(root), "QS_CONTAINER": "1",
+                                                    "HOST": "0.0.0.0", "PUBLISHED_ON": "0.0.0.0"})
+    assert r.returncode == 2 and "VLLM_API_KEY" in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "qwen-serving: in Docker, knobs go in .env beside docker-compose.yml (a key: VLLM_API_KEY=...); "
+        "then run again: docker compose --profile single up -d")
+    assert not (root / "steps.log").exists()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prepare_runs_the_modes_own_steps_and_stops(tmp_path, mode):
+    root = fake_checkout(tmp_path)
+    r = subprocess.run(["bash", "qwen_serving/start_server.sh", mode, "--prepare"], cwd=root, capture_output=True,
+                       text=True, timeout=120, env={"PATH": os.environ["PATH"], "HOME": str(root)})
+    assert r.returncode == 0, r.stderr
+    steps = (root / "steps.log").read_text().splitlines()
+    missing = subprocess.run(["python3", "-m", "qwen_serving.plan", mode, "--missing"], cwd=root, capture_output=True,
+                             text=True, timeout=120, env={"PATH": os.environ["PATH"], "HOME": str(root)}).stdout
+    # the fake venv's python records `prepare/x.py ARGS` for `venv/bin/python prepare/x.py ARGS`
+    assert steps == [line.split(" ", 1)[1] for line in missing.splitlines() if line.startswith("venv/bin/python ")]
+    assert any("build_draft_vocab" in step for step in steps) == (mode == "single")
+    assert not (root / "vllm.log").exists()  # --prepare never serves
 
 
 @pytest.mark.parametrize("action", ["--dry-run", "explain"])
@@ -102,6 +133,12 @@ def test_systemd_unit(folder, tmp_path):
     service = unit["Service"]
     assert service["Restart"] == "on-failure" and service["ExecStart"].endswith(f"/{folder}/start_qwen.sh")
     assert service["ExecStart"].startswith("/bin/bash %h/qwen-serving/")
+    assert service["WorkingDirectory"] == "%h/qwen-serving"
+    # the launcher reads .env with Compose's rules; systemd's reading would differ, and win
+    assert "EnvironmentFile" not in service
+    # where it is installed, the assumed checkout path is said
+    readme = (REPO / folder / "README.md").read_text()
+    assert f"cp {folder}/qwen-serving.service" in readme and "checkout is at `~/qwen-serving`" in readme
     assert unit["Install"]["WantedBy"] == "default.target"  # a user unit
     # the wait-for-GPU step is valid bash once systemd has turned $$ into $
     pre = service["ExecStartPre"]
@@ -150,33 +187,66 @@ def test_dockerfile():
     assert {"models", "venv", ".env", "api_key.txt", ".git"} <= set(ignored)
 
 
-def compose() -> dict:
-    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+def compose_config(profile: str) -> dict:
+    """docker-compose.yml as the real Compose v2 binary resolves it for one profile (no .env, no shell vars)."""
+    r = subprocess.run([str(compose_binary()), "--project-directory", str(REPO), "-f", str(REPO / "docker-compose.yml"),
+                        "--profile", profile, "config", "--format", "json"], capture_output=True, text=True,
+                       timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": str(REPO)})
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
 
 
-def test_compose_structure():
-    services = compose()["services"]
-    assert set(services) == {"prepare", "single", "batch"}
-    assert services["prepare"]["profiles"] == ["single", "batch"]
-    for name, folder in (("single", "single-user"), ("batch", "batch")):
-        s = services[name]
-        assert s["profiles"] == [name] and s["command"] == ["bash", f"{folder}/start_qwen.sh"]
-        assert s["depends_on"]["prepare"]["condition"] == "service_completed_successfully"
-        assert "./models:/opt/qwen-serving/models" in s["volumes"]
-        assert s["env_file"] == [{"path": ".env", "required": False}]
-        assert s["ports"] == ["${BIND:-127.0.0.1}:${PORT:-18020}:18020"]
-        assert s["environment"]["PUBLISHED_ON"] == "${BIND:-127.0.0.1}"  # the API-key rule sees the real exposure
-        device = s["deploy"]["resources"]["reservations"]["devices"][0]
-        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-        health = s["healthcheck"]
-        assert "http://127.0.0.1:18020/health" in " ".join(health["test"]) and health["start_period"] == "30m"
+def image_files() -> set[str]:
+    """Tracked files the build context keeps after .dockerignore (its patterns are plain names and globs)."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    ignored = [p for p in (REPO / ".dockerignore").read_text().split() if not p.startswith("#")]
+    def kept(name: str) -> bool:
+        parts = name.split("/")
+        return not any(fnmatch.fnmatch(name, pat) or fnmatch.fnmatch(parts[0], pat) or
+                       (pat.startswith("**/") and any(fnmatch.fnmatch(part, pat[3:]) for part in parts))
+                       for pat in ignored)
+    return {name for name in tracked if kept(name)}
 
 
-def test_compose_config_where_the_plugin_exists():
-    docker = shutil.which("docker")
-    if not docker or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
-        pytest.skip("no docker compose plugin; test_compose_structure checks the file")
-    for profile in ("single", "batch"):
-        r = subprocess.run([docker, "compose", "--profile", profile, "config", "--quiet"], cwd=REPO,
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stderr
+@pytest.mark.parametrize(("profile", "folder"), [("single", "single-user"), ("batch", "batch")])
+def test_compose_profile_runs_its_own_mode_with_commands_the_image_has(profile, folder):
+    services = compose_config(profile)["services"]
+    assert set(services) == {profile, f"prepare-{profile}"}
+    prepare, server = services[f"prepare-{profile}"], services[profile]
+    assert prepare["command"] == ["bash", "qwen_serving/start_server.sh", profile, "--prepare"]
+    assert server["command"] == ["bash", f"{folder}/start_qwen.sh"]
+    assert server["depends_on"] == {f"prepare-{profile}": {"condition": "service_completed_successfully",
+                                                           "required": True}}
+    assert server["environment"] == {"HOST": "0.0.0.0", "PORT": "18020", "PUBLISHED_ON": "127.0.0.1"}
+    assert server["ports"][0]["host_ip"] == "127.0.0.1" and server["ports"][0]["published"] == "18020"
+    assert "deploy" not in prepare and not prepare.get("environment")  # no GPU; no .env here, and none needed
+    device = server["deploy"]["resources"]["reservations"]["devices"][0]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert server["healthcheck"]["start_period"] == "30m0s"
+    # every command a service runs is in the image: scripts under WORKDIR (COPY . .), python3 on PATH
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert "WORKDIR /opt/qwen-serving" in dockerfile and "\nCOPY . .\n" in dockerfile
+    assert "ENV PATH=/opt/qwen-serving/venv/bin:$PATH" in dockerfile  # the healthcheck's python3
+    files = image_files()
+    for service in (prepare, server):
+        assert service["command"][0] == "bash" and service["command"][1] in files
+        assert service["volumes"][0]["target"] == "/opt/qwen-serving/models"
+    # and what those scripts call: the launchers' target, the plan, the .env reader
+    assert {"qwen_serving/start_server.sh", "qwen_serving/plan.py", "qwen_serving/dotenv.py", "install.sh",
+            "verify.sh", "prepare/download.py"} <= files
+
+
+def test_compose_with_a_dotenv_bind_and_key(tmp_path):
+    """BIND publishes elsewhere; the key rule then sees PUBLISHED_ON (the env_file is passed, not interpolated)."""
+    project = tmp_path / "p"
+    project.mkdir()
+    shutil.copy(REPO / "docker-compose.yml", project)
+    (project / ".env").write_text("BIND=0.0.0.0\nPORT=18099\nVLLM_API_KEY='k e y'\n")
+    r = subprocess.run([str(compose_binary()), "--profile", "batch", "config", "--format", "json"], cwd=project,
+                       capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    services = json.loads(r.stdout)["services"]
+    batch = services["batch"]
+    assert services["prepare-batch"]["environment"]["VLLM_API_KEY"] == "k e y"  # .env reaches both services
+    assert batch["environment"]["PUBLISHED_ON"] == "0.0.0.0" and batch["environment"]["VLLM_API_KEY"] == "k e y"
+    assert batch["ports"][0]["host_ip"] == "0.0.0.0" and batch["ports"][0]["published"] == "18099"

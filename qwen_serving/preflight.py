@@ -1,0 +1,122 @@
+"""Checks before anything heavy (the ~5.5 GB install, the 19.5 GB download): an NVIDIA GPU and driver,
+its VRAM, free disk where the model goes, Python. Each check is one `PASS|WARN|FAIL name: message`
+line, and a FAIL says what to do.
+
+    python -m qwen_serving.preflight [--model-dir DIR] [--need-disk]
+
+Standard library only; never imports torch or vllm. Written for the serve plan to call `run()` before the
+first-start steps (not wired in yet); --dry-run and explain are not to call it, so they keep working on
+machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+MIN_DRIVER = 580  # the CUDA 13 wheels (torch 2.13.0, vllm 0.28.0)
+MIN_VRAM_BYTES = 24 * 10**9  # 24 GB; a 3090 reports 24,576 MiB
+MIN_DISK_BYTES = 40 * 10**9  # the W4A16 checkpoint (~19.5 GB) and its requantized copy
+MIN_PYTHON = (3, 11)
+GPU_QUERY = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"]
+
+
+@dataclass(frozen=True)
+class Check:
+    level: str  # PASS, WARN or FAIL
+    name: str
+    message: str
+
+    def line(self) -> str:
+        return f"{self.level} {self.name}: {self.message}"
+
+
+def query_gpus() -> str:
+    """nvidia-smi's CSV, one GPU a line (name, MiB, driver); raises OSError or CalledProcessError."""
+    return subprocess.run(GPU_QUERY, capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+def gpu_checks(query: Callable[[], str] = query_gpus) -> list[Check]:
+    try:
+        out = query()
+    except FileNotFoundError:
+        return [Check("FAIL", "gpu", "no NVIDIA GPU found (no nvidia-smi on PATH): serving needs a 24 GB NVIDIA GPU "
+                                     f"and driver >= {MIN_DRIVER}; --dry-run and explain work without one")]
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = (getattr(e, "stderr", "") or str(e)).strip().splitlines()
+        return [Check("FAIL", "gpu", f"nvidia-smi failed ({detail[-1] if detail else e}): install or repair the "
+                                     f"NVIDIA driver (>= {MIN_DRIVER}), then check that nvidia-smi lists the GPU")]
+    gpus = []
+    for row in filter(None, (line.strip() for line in out.splitlines())):
+        name, mib, driver = (part.strip() for part in row.rsplit(",", 2))
+        try:
+            gpus.append((name, int(float(mib)) * 2**20, driver, int(driver.split(".")[0])))
+        except ValueError:
+            return [Check("FAIL", "gpu", f"cannot read nvidia-smi's line {row!r}")]
+    if not gpus:
+        return [Check("FAIL", "gpu", f"nvidia-smi lists no GPU: serving needs a 24 GB NVIDIA GPU, driver >= {MIN_DRIVER}")]
+    name, total, driver, major = max(gpus, key=lambda g: g[1])
+    checks = []
+    if major < MIN_DRIVER:
+        checks.append(Check("FAIL", "driver", f"{driver} is older than {MIN_DRIVER}, which the CUDA 13 wheels need: "
+                                              f"install NVIDIA driver {MIN_DRIVER} or newer"))
+    else:
+        checks.append(Check("PASS", "driver", f"{driver}"))
+    more = f" (largest of {len(gpus)})" if len(gpus) > 1 else ""
+    if total >= MIN_VRAM_BYTES:
+        checks.append(Check("PASS", "gpu", f"{name}, {total / 2**30:.1f} GiB{more}"))
+    else:
+        checks.append(Check("WARN", "gpu", f"{name} has {total / 2**30:.1f} GiB{more}, below the 24 GB this is sized "
+                                           "for: the defaults will not fit; see what the plan can seat with "
+                                           "KV_MEM=auto and explain, or split across cards "
+                                           "(EXTRA_ARGS='--tensor-parallel-size 2')"))
+    return checks
+
+
+def disk_check(model_dir: Path, need: int = MIN_DISK_BYTES) -> Check:
+    """Free space on the filesystem that will hold model_dir (its nearest existing parent)."""
+    where = model_dir.resolve()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free >= need:
+        return Check("PASS", "disk", f"{free / 1e9:.0f} GB free at {where}")
+    return Check("FAIL", "disk", f"{free / 1e9:.1f} GB free at {where}; the checkpoint and its requantized copy "
+                                 f"need ~{need / 1e9:.0f} GB: free some space, or set MODEL=DIR on a larger disk")
+
+
+def python_check(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> Check:
+    shown = ".".join(map(str, version))
+    if tuple(version[:2]) >= MIN_PYTHON:
+        return Check("PASS", "python", shown)
+    return Check("FAIL", "python", f"{shown} runs this; the install needs Python >= 3.11 (3.12 preferred): "
+                                   "apt-get install python3.12 python3.12-venv, or set PYTHON=/path/to/python3.12")
+
+
+def run(model_dir: Path | None = None, query: Callable[[], str] = query_gpus) -> list[Check]:
+    """Every check; the disk only when model_dir (where a download would go) is given."""
+    checks = [python_check(), *gpu_checks(query)]
+    if model_dir is not None:
+        checks.append(disk_check(model_dir))
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m qwen_serving.preflight", description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir", type=Path, default=Path(__file__).resolve().parents[1] / "models",
+                    help="where the checkpoint goes (for the disk check)")
+    ap.add_argument("--need-disk", action="store_true", help="check free disk (the model is still to download)")
+    args = ap.parse_args(argv)
+    checks = run(args.model_dir if args.need_disk else None)
+    for check in checks:
+        print(check.line())
+    return 1 if any(c.level == "FAIL" for c in checks) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -78,10 +78,10 @@ if [ "$INSTALL_ONLY" = 0 ]; then
 fi
 
 if [ "$INSTALL_ONLY" = 0 ] && [ "$SERVER" = 1 ]; then
-  # /health, one chat request, KV pool, attention backend, spec decode (qwen_serving/server_check.py)
+  # /health, one chat request, KV pool, attention backend, spec decode (bench/server_check.py)
   while IFS= read -r status; do
     line "${status%% *}" "${status#* }"
-  done < <(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m qwen_serving.server_check "${probe_args[@]}" 2>&1 \
+  done < <(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m bench.server_check "${probe_args[@]}" 2>&1 \
            | sed -E 's/^(PASS|WARN|FAIL) +/\1 /; t; s/^/FAIL /')
 fi
 

@@ -121,6 +121,19 @@ def post_events(url: str, body: Mapping, *, key: str | None = None,
                 yield event, data if data == SSE_DONE else json.loads(data)
 
 
+def probe(url: str, body: Mapping | None = None, *, key: str | None = None,
+          timeout_s: float = 60) -> tuple[int, str]:
+    """(HTTP status, body text) of one request that never raises for the server's answer: status 0 with the
+    reason when nothing answered (for checks that report a dead server as a line, not a traceback)."""
+    try:
+        with _open(url, body, key, timeout_s) as response:
+            return response.status, response.read().decode(errors="replace")
+    except HttpError as err:
+        return err.status, err.body
+    except OSError as err:  # refused, unreachable, timed out
+        return 0, str(getattr(err, "reason", err))
+
+
 class Client:
     """One server: its base URL (a trailing /v1 is dropped, so both spellings work) and API key."""
 

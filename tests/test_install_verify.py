@@ -223,7 +223,7 @@ def fake_vllm(request):
 
 def server_check(*args: str, **env: str) -> subprocess.CompletedProcess:
     full = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_API_KEY": "", **env}
-    return subprocess.run([sys.executable, "-m", "qwen_serving.server_check", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "bench.server_check", *args], capture_output=True, text=True,
                           env=full, cwd=REPO, timeout=120)
 
 

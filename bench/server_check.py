@@ -1,6 +1,6 @@
 """Probe a running server (verify.sh's server checks): one `PASS|WARN|FAIL message` line per check.
 
-    python -m qwen_serving.server_check [--mode single|batch] [--url URL] [--log FILE]
+    python -m bench.server_check [--mode single|batch] [--url URL] [--log FILE]
 
 The address comes from the same knobs as the launchers (HOST, PORT; the environment over .env), the key
 from VLLM_API_KEY or api_key.txt. Checks: /health, the served model (/v1/models), one short greedy chat
@@ -17,14 +17,15 @@ import json
 import re
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import dotenv, knobs
+from bench import serving
+from qwen_serving import dotenv, knobs
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: bench/ is a package of the repo root
+    sys.path.insert(0, str(REPO))
 PROMPT = "Reply with the single word: ready"
 # vLLM 0.28.0's boot log lines (platforms/cuda.py, v1/core/kv_cache_utils.py, v1/engine/core.py)
 LOG_BACKEND = re.compile(r"Using (\S+) attention backend out of potential backends")
@@ -40,18 +41,7 @@ class Probe:
 
     def request(self, path: str, body: dict | None = None) -> tuple[int, str]:
         """(HTTP status, body); status 0 with the reason when nothing answered."""
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.base + path, data=data, method="POST" if data else "GET")
-        req.add_header("Content-Type", "application/json")
-        if self.key:
-            req.add_header("Authorization", f"Bearer {self.key}")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return resp.status, resp.read().decode("utf-8", "replace")
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode("utf-8", "replace")
-        except (urllib.error.URLError, OSError) as e:
-            return 0, str(getattr(e, "reason", e))
+        return serving.probe(self.base + path, body, key=self.key or None, timeout_s=self.timeout)
 
 
 def address(mode: str, env: Mapping[str, str]) -> str:
@@ -60,16 +50,6 @@ def address(mode: str, env: Mapping[str, str]) -> str:
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"  # bound everywhere: loopback reaches it
     return f"http://{f'[{host}]' if ':' in host else host}:{settings['PORT'].value}"
-
-
-def api_key(env: Mapping[str, str], repo: Path) -> str:
-    if env.get("VLLM_API_KEY"):
-        return env["VLLM_API_KEY"]
-    try:
-        lines = (repo / "api_key.txt").read_text().split()
-    except OSError:
-        return ""
-    return lines[0] if lines else ""
 
 
 def log_facts(path: Path) -> dict[str, str]:
@@ -160,7 +140,7 @@ def checks(probe: Probe, log: Path | None) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m qwen_serving.server_check", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.server_check", description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=knobs.MODES, default="single", help="whose knobs give HOST and PORT")
     ap.add_argument("--url", help="the server's base URL (default: from HOST and PORT)")
     ap.add_argument("--log", type=Path, help="the server's output, for what /server_info does not say")
@@ -175,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.log and not args.log.is_file():
         print(f"FAIL server: --log {args.log} is not a file")
         return 1
-    results = checks(Probe(base, api_key(env, REPO), args.timeout), args.log)
+    results = checks(Probe(base, serving.api_key(env.get("VLLM_API_KEY"), REPO) or "", args.timeout), args.log)
     for level, message in results:
         print(f"{level} {message}")
     return 1 if any(level == "FAIL" for level, _ in results) else 0

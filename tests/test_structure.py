@@ -138,7 +138,8 @@ def stdlib_violations(root: Path) -> list[str]:
     modules = index(root, PACKAGE)
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
     found = []
-    for start in STDLIB_ONLY:
+    root_modules = [name for name in modules if name.count(".") == 1]  # the launchers run them before install
+    for start in dict.fromkeys([*STDLIB_ONLY, *root_modules]):
         if start not in modules:
             if start in PLANNING:
                 found.append(f"{start} is missing: the planning modules are {', '.join(PLANNING)}")
@@ -537,3 +538,9 @@ def test_private_names_of_other_libraries_are_not_ours(tree):
     write_tree(tree, {"tests/test_b.py": "import torch\nfrom qwen_serving import plan\n"
                                          "torch.ops._C\nplan.__file__\nx = object()\nx._private\n"})
     assert private_violations(tree) == []
+
+
+def test_every_module_of_the_package_root_is_checked(tree):
+    write_tree(tree, {"qwen_serving/preflight.py": "import torch\n"})
+    assert stdlib_violations(tree) == ["qwen_serving.preflight imports torch (line 1 of qwen_serving.preflight): it "
+                                       "must stay standard library only (no torch, numpy or vLLM)"]

@@ -135,9 +135,13 @@ def make_design(size: str, seed: int, mtp_agree: float, draft_coverage: float | 
         alternatives.append(alts)
     succ = {t: {chain_of[t], *alts} for t, alts in zip(active, alternatives, strict=True)}
 
-    # agreeing tokens: an exact share q, chosen by a seeded permutation
+    # agreeing tokens: a share q of the core and of the rest (step starts after a rejection land on the
+    # core more often), chosen by seeded permutations
     agree_gen = _rng(seed, "mtp-agree")
-    agreeing = {active[i] for i in torch.randperm(n, generator=agree_gen)[: round(mtp_agree * n)].tolist()}
+    core_set = set(core)
+    agreeing: set[int] = set()
+    for part in (core, [t for t in active if t not in core_set]):
+        agreeing |= {part[i] for i in torch.randperm(len(part), generator=agree_gen)[: round(mtp_agree * len(part))]}
     mtp_source = []
     for t in active:
         if t in agreeing:

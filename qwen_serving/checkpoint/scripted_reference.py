@@ -63,20 +63,20 @@ def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 
 def nucleus_margin(logits: torch.Tensor, sampling: Sampling) -> float:
-    """How far the kept set is from changing: min over rows of |cumulative - (1 - top_p)| at the
-    ascending-sorted tokens and the gap at the k-th logit (both in probability / logit units)."""
+    """How far the kept set is from changing, min over rows. With top-p: the distance of the
+    ascending cumulative probability (after top-k) from 1 - top_p, in probability; a near-tie at the
+    k-th logit then only swaps tokens whose probability is below this margin. Top-k alone: the gap
+    between the k-th and (k+1)-th logit (after temperature)."""
     logits = logits.double() / sampling.temperature
-    margins = []
     if sampling.top_k:
         top = logits.topk(sampling.top_k + 1, dim=-1).values
-        margins.append(float((top[..., -2] - top[..., -1]).min()))
-    if sampling.top_p < 1.0:
-        masked = logits
-        if sampling.top_k:
-            masked = logits.masked_fill(logits < logits.topk(sampling.top_k, dim=-1).values[..., -1:], float("-inf"))
-        cumulative = masked.sort(dim=-1).values.softmax(-1).cumsum(-1)
-        margins.append(float((cumulative - (1 - sampling.top_p)).abs().min()))
-    return min(margins) if margins else float("inf")
+        if sampling.top_p == 1.0:
+            return float((top[..., -2] - top[..., -1]).min())
+        logits = logits.masked_fill(logits < top[..., -2:-1], float("-inf"))
+    if sampling.top_p == 1.0:
+        return float("inf")
+    cumulative = logits.sort(dim=-1).values.softmax(-1).cumsum(-1)
+    return float((cumulative - (1 - sampling.top_p)).abs().min())
 
 
 # ---------------------------------------------------------------- weights

@@ -25,6 +25,7 @@ from qwen_serving.checkpoint.scripted_reference import (
     Reference,
     Sampling,
     markov_acceptance,
+    markov_inputs,
     nucleus_margin,
     sampling_probs,
     simulate_step,
@@ -255,9 +256,8 @@ def test_step_acceptance_matches_a_monte_carlo_of_the_rejection_rule(design, ref
 
 
 def _markov(design: scripted.Design, ref: Reference, sampling: Sampling):
-    index = design.index
-    transition = sampling_probs(ref.context_free_logits(design.active)[:, torch.tensor(design.active)], sampling)
-    propose = torch.tensor([index.get(design.mtp_proposal(t), -1) for t in design.active])
+    transition, propose = markov_inputs(ref, design.active, sampling)
+    assert propose.tolist() == [design.index.get(design.mtp_proposal(t), -1) for t in design.active]
     return transition, propose
 
 

@@ -349,3 +349,46 @@ def markov_acceptance(transition: torch.Tensor, propose: torch.Tensor, k: int, s
         mu = mu @ start_next
     average /= steps
     return [float(average @ a) for a in profile]
+
+
+def markov_inputs(ref: Reference, active: list[int], sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """(transition, propose) of markov_acceptance from the weights: the context-free target rows
+    over the active tokens, and the MTP module's (draft-head-aware) proposal after each of them, as
+    an active index or -1. The MTP reads its input token only (zero hidden half of fc, zero o_proj /
+    down_proj), so a zero hidden stands for any."""
+    index = {t: i for i, t in enumerate(active)}
+    columns = torch.tensor(active, device=ref.w.device)
+    transition = sampling_probs(ref.context_free_logits(active)[:, columns], sampling)
+    hidden = torch.zeros(len(active), ref.t["hidden_size"], device=ref.w.device)
+    logits, vocab = ref.draft_logits(ref.mtp_step(active, hidden, torch.arange(len(active), device=ref.w.device)))
+    propose = torch.tensor([index.get(int(t), -1) for t in vocab[logits.argmax(-1)].tolist()])
+    return transition, propose
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m qwen_serving.checkpoint.scripted_reference",
+        description="Predicted MTP acceptance per draft position for a scripted checkpoint (JSON on stdout).",
+    )
+    parser.add_argument("model_dir")
+    parser.add_argument("--k", type=int, default=7, help="drafts per step")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    from qwen_serving.checkpoint.scripted import Design
+
+    design = Design.read(args.model_dir)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    ref = Reference(args.model_dir, args.device)
+    acceptance = markov_acceptance(*markov_inputs(ref, design.active, sampling), args.k)
+    print(json.dumps({"sampling": vars(sampling), "k": args.k, "acceptance_per_position": acceptance,
+                      "tokens_per_step": 1 + sum(acceptance)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

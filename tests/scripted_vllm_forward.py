@@ -120,7 +120,7 @@ def main() -> None:
             models[type(model).__name__] = model
         text = config.model_config.hf_text_config
         for model in models.values():
-            for name, module in model.named_modules():
+            for module in model.modules():
                 method = type(getattr(module, "quant_method", None)).__name__
                 if method == "CompressedTensorsLinearMethod":
                     module.quant_method = DequantizedInt4(module)

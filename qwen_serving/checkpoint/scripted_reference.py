@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qwen_serving.checkpoint.int4 import GROUP_SIZE, unpack_int4
+from qwen_serving.checkpoint.int4 import unpack_int4
 
 LM = "model.language_model."
 

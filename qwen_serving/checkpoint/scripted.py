@@ -197,27 +197,31 @@ def _designed_tensors(design: Design) -> dict[str, torch.Tensor]:
     u0, u = basis[0], basis[1:]
     index = design.index
 
-    # every vocabulary row aliases an active token's embedding (active rows alias themselves)
+    # every vocabulary row aliases an active token's embedding (active rows alias themselves);
+    # built in bf16 chunks: at full size a float32 [248320, 5120] table is 5 GB
     alias = torch.randint(n, (vocab,), generator=_rng(design.seed, "alias"))
     rows = torch.tensor(design.active)
     alias[rows] = torch.arange(n)
-    embed = math.sqrt(h / 2) * (u[alias] + u0)
+    embed = torch.empty(vocab, h, dtype=torch.bfloat16)
+    for start in range(0, vocab, 16384):
+        chunk = alias[start : start + 16384]
+        embed[start : start + len(chunk)] = (math.sqrt(h / 2) * (u[chunk] + u0)).to(torch.bfloat16)
 
-    bias = torch.full((vocab,), INACTIVE_LOGIT)
-    bias[rows] = BACKGROUND_LOGIT
-    lm_head = bias[:, None] * u0[None, :]
+    # inactive rows are all INACTIVE_LOGIT * u_0 * sqrt(2/H); active rows get their predecessors' terms
+    lm_head = (INACTIVE_LOGIT * u0 * math.sqrt(2 / h)).to(torch.bfloat16).expand(vocab, h).clone()
+    active_rows = BACKGROUND_LOGIT * u0.expand(n, h).clone()
     for i, t in enumerate(design.active):
         for succ, logit in design.successors(t):
-            lm_head[succ] += (logit - BACKGROUND_LOGIT) * u[i]
-    lm_head *= math.sqrt(2 / h)
+            active_rows[index[succ]] += (logit - BACKGROUND_LOGIT) * u[i]
+    lm_head[rows] = (active_rows * math.sqrt(2 / h)).to(torch.bfloat16)
 
     # MTP fc: [F_e, 0] with F_e (u_t + u_0) = u_pi(t) + u_0
     source = torch.tensor([index[s] for s in design.mtp_source])
     f_e = u[source].T @ u + torch.outer(u0, u0)
     fc = torch.cat([f_e, torch.zeros(h, h)], dim=1)
     out = {
-        f"{synth.LM}embed_tokens.weight": embed.to(torch.bfloat16),
-        "lm_head.weight": lm_head.to(torch.bfloat16),
+        f"{synth.LM}embed_tokens.weight": embed,
+        "lm_head.weight": lm_head,
         "mtp.fc.weight": fc.to(torch.bfloat16),
     }
     # (1 + w) norms with w = 0: plain RMS normalisation, so the designed directions stay exact

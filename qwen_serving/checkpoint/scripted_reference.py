@@ -85,12 +85,16 @@ def nucleus_margin(logits: torch.Tensor, sampling: Sampling) -> float:
 class Weights:
     """Tensors of a sharded safetensors checkpoint, read on demand; linears dequantized to float32."""
 
+    CACHE_LIMIT = 4 << 30  # checkpoints below this keep their dequantized float32 weights
+
     def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu"):
         from safetensors import safe_open
 
         self.path = Path(model_dir)
         self.device = torch.device(device)
-        weight_map = json.loads((self.path / "model.safetensors.index.json").read_text())["weight_map"]
+        index = json.loads((self.path / "model.safetensors.index.json").read_text())
+        weight_map = index["weight_map"]
+        self._keep = index.get("metadata", {}).get("total_size", 0) < self.CACHE_LIMIT
         self._files = {shard: safe_open(str(self.path / shard), framework="pt") for shard in set(weight_map.values())}
         self._where = weight_map
         self._cache: dict[str, torch.Tensor] = {}
@@ -122,7 +126,8 @@ class Weights:
             scales = self.raw(f"{module}.weight_scale").to(torch.bfloat16).float()
             group = cols // scales.shape[1]
             weight = (codes.float().view(rows, -1, group) * scales[..., None]).view(rows, cols)
-        self._cache[module] = weight
+        if self._keep:
+            self._cache[module] = weight
         return weight
 
 
@@ -236,7 +241,7 @@ class Reference:
 
     def embed(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(ids, device=self.w.device)
-        return self.w.dense(f"{LM}embed_tokens.weight")[ids]
+        return self.w.linear(f"{LM}embed_tokens")[ids]  # bf16, or int8 after prepare/quant_embed.py
 
     def hidden(self, ids: list[int]) -> torch.Tensor:
         """[T, H] final-normed hidden states (what the lm_head and the MTP module read)."""

@@ -30,6 +30,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -70,7 +71,7 @@ class Design:
         i = self.index[token]
         return [(self.chain[i], CHAIN_LOGIT), *zip(self.alternatives[i], ALT_LOGITS, strict=True)]
 
-    @property
+    @cached_property
     def index(self) -> dict[int, int]:
         return {t: i for i, t in enumerate(self.active)}
 

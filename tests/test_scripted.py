@@ -1,8 +1,8 @@
 """Scripted checkpoints (qwen_serving/checkpoint/scripted.py): format, designed behaviour, the reference.
 
 The reference (scripted_reference.py) computes every distribution from the written tensors; it is
-checked against vLLM's own model code (tests/scripted_vllm_forward.py), then used to check the
-design: greedy chain, MTP agreement, draft-vocabulary coverage, acceptance, prompts.
+checked against vLLM's own model code (tests/helpers/scripted_vllm_forward.py), then used to check
+the design: greedy chain, MTP agreement, draft-vocabulary coverage, acceptance, prompts.
 """
 
 from __future__ import annotations
@@ -123,8 +123,9 @@ def test_reference_matches_vllms_forward(tiny, ref, quoting):
     out = tiny.parent / "vllm-forward.pt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripted_vllm_forward.py"), str(tiny), str(out),
-                           *map(str, ids)], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    script = REPO / "tests" / "helpers" / "scripted_vllm_forward.py"
+    proc = subprocess.run([sys.executable, str(script), str(tiny), str(out), *map(str, ids)],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     vllm = torch.load(out)
     hidden = ref.hidden(ids)

@@ -1,6 +1,6 @@
 """vLLM 0.28.0's own model code run forward on the CPU over a (tiny) checkpoint; prints the logits as JSON.
 
-    python tests/scripted_vllm_forward.py MODEL_DIR OUT.pt TOKEN_ID...
+    python tests/helpers/scripted_vllm_forward.py MODEL_DIR OUT.pt TOKEN_ID...
 
 vLLM builds Qwen3_5ForConditionalGeneration and Qwen3_5MTP and loads the checkpoint as the engine
 does (name mapping, fused projections, ignore list, parameter dtypes). Its module code then runs

@@ -120,7 +120,8 @@ class Weights:
             if packed.shape[1] * 8 == cols:
                 codes = unpack_int4(packed.cpu(), cols).to(self.device)
             elif packed.shape[1] * 4 == cols:  # int8: four codes per little-endian int32, stored + 128
-                codes = packed.cpu().contiguous().view(torch.uint8).view(rows, cols).to(self.device).to(torch.int16) - 128
+                codes = packed.cpu().contiguous().view(torch.uint8).view(rows, cols).to(self.device)
+                codes = codes.to(torch.int16) - 128
             else:
                 raise ValueError(f"{module}: weight_packed {tuple(packed.shape)} fits neither int4 nor int8 of {cols}")
             scales = self.raw(f"{module}.weight_scale").to(torch.bfloat16).float()

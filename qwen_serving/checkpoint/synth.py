@@ -466,8 +466,12 @@ def write_config_files(out_dir: Path, size: str, num_layers: int) -> None:
     _write_json(out_dir / "generation_config.json", generation_config(ids))
 
 
-def write_checkpoint(out: Path, size: str, num_layers: int, seed: int, device: torch.device) -> Path:
-    """Write the checkpoint into a temp dir beside `out`, then rename it to `out` (must not exist)."""
+def write_checkpoint(
+    out: Path, size: str, num_layers: int, seed: int, device: torch.device, scripted=None
+) -> Path:
+    """Write the checkpoint into a temp dir beside `out`, then rename it to `out` (must not exist).
+
+    `scripted`: a scripted.Design, whose designed tensors replace the random ones (scripted.py)."""
     from safetensors.torch import save_file
 
     d = SIZES[size]
@@ -485,15 +489,24 @@ def write_checkpoint(out: Path, size: str, num_layers: int, seed: int, device: t
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    values = lambda entry, device: entry_values(seed, entry, device)  # noqa: E731
+    meta: dict = {}
+    if scripted is not None:
+        from qwen_serving.checkpoint import scripted as scripted_module
+
+        values = scripted_module.values_for(scripted, size, seed, values)
+        meta = {"behaviour": "scripted", "mtp_agree": scripted.mtp_agree}
     try:
         write_config_files(tmp, size, num_layers)
+        if scripted is not None:
+            scripted_module.write_design_files(tmp, scripted)
         weight_map: dict[str, str] = {}
         with _progress(total, f"synth {size} ({num_layers} layers, {device.type})") as bar:
             for index, shard in enumerate(shards):
                 name = _shard_name(index, len(shards))
                 tensors: dict[str, torch.Tensor] = {}
                 for entry in shard:
-                    for tensor_name, value in entry_values(seed, entry, device).items():
+                    for tensor_name, value in values(entry, device).items():
                         tensors[tensor_name] = value.cpu().contiguous()
                         weight_map[tensor_name] = name
                     bar.update(entry_bytes(entry))
@@ -502,7 +515,7 @@ def write_checkpoint(out: Path, size: str, num_layers: int, seed: int, device: t
                 del tensors
         index_doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         _write_json(tmp / "model.safetensors.index.json", index_doc)
-        _write_json(tmp / "synth.json", {"device": device.type, "layers": num_layers, "seed": seed, "size": size})
+        _write_json(tmp / "synth.json", {"device": device.type, "layers": num_layers, "seed": seed, "size": size, **meta})
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -537,6 +550,12 @@ def main(argv: list[str] | None = None) -> int:
         help="where tensors are drawn; auto = cpu for tiny, cuda (if present) for shape/full",
     )
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--behaviour", choices=("random", "scripted"), default="random",
+                        help="scripted: a designed next-token distribution (docs/scripted-model.md)")
+    parser.add_argument("--mtp-agree", type=float, default=1.0,
+                        help="scripted: share of active tokens after which the MTP proposes the chain successor")
+    parser.add_argument("--draft-coverage", type=float,
+                        help="scripted: also write scripted-draft-ids.json covering this share of the active tokens")
     args = parser.parse_args(argv)
 
     layers = args.layers if args.layers is not None else (FULL_LAYERS if args.size == "full" else 4)
@@ -550,17 +569,27 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and not args.force:
         parser.error(f"{out} exists; pass --force to replace it")
     device = resolve_device(args.size, args.device)
+    design = None
+    if args.behaviour == "scripted":
+        from qwen_serving.checkpoint import scripted
+
+        try:
+            design = scripted.make_design(args.size, args.seed, args.mtp_agree, args.draft_coverage)
+        except ValueError as e:
+            parser.error(str(e))
+    elif args.mtp_agree != 1.0 or args.draft_coverage is not None:
+        parser.error("--mtp-agree and --draft-coverage need --behaviour scripted")
 
     if out.exists():
         staged = out.parent / f".{out.name}.new-{os.getpid()}"
-        write_checkpoint(staged, args.size, layers, args.seed, device)
+        write_checkpoint(staged, args.size, layers, args.seed, device, design)
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(old)
         staged.rename(out)
         shutil.rmtree(old)
     else:
-        write_checkpoint(out, args.size, layers, args.seed, device)
-    print(f"synth: wrote {out} ({args.size}, {layers} layers, seed {args.seed}, {device.type})")
+        write_checkpoint(out, args.size, layers, args.seed, device, design)
+    print(f"synth: wrote {out} ({args.size}, {layers} layers, seed {args.seed}, {device.type}, {args.behaviour})")
     return 0
 
 

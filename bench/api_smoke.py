@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import write_json_atomic  # noqa: E402
+from bench import serving  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Write three sentences about the sea."}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -36,40 +33,20 @@ class Inconclusive(Exception):
 
 class Api:
     def __init__(self, base: str, key: str | None, model: str | None):
-        self.base, self.key = base.rstrip("/").removesuffix("/v1"), key
-        self.model = model or self.get("/v1/models")["data"][0]["id"]
-
-    def _request(self, path: str, body: dict | None) -> urllib.request.Request:
-        headers = {"Content-Type": "application/json"}
-        if self.key:
-            headers["Authorization"] = f"Bearer {self.key}"
-            headers["x-api-key"] = self.key
-        data = None if body is None else json.dumps({"model": self.model, **body}).encode()
-        return urllib.request.Request(self.base + path, data=data, headers=headers)
-
-    def get(self, path: str) -> dict:
-        with urllib.request.urlopen(self._request(path, None), timeout=60) as r:
-            return json.loads(r.read())
+        self.client = serving.Client(base, key)
+        self.base = self.client.base
+        self.model = model or self.client.served_model()
 
     def post(self, path: str, body: dict) -> tuple[int, dict]:
+        """(HTTP status, the answer's JSON): a check can expect an error status."""
         try:
-            with urllib.request.urlopen(self._request(path, body), timeout=300) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"{}")
+            return 200, self.client.post_json(path, {"model": self.model, **body}, timeout_s=300)
+        except serving.HttpError as e:
+            return e.status, e.json()
 
     def stream(self, path: str, body: dict) -> list[tuple[str | None, dict | str]]:
-        """(event name, data) of each server-sent event; data is parsed JSON, or the raw '[DONE]'."""
-        events, event = [], None
-        with urllib.request.urlopen(self._request(path, {**body, "stream": True}), timeout=300) as r:
-            for raw in r:
-                line = raw.decode().rstrip("\n")
-                if line.startswith("event:"):
-                    event = line[6:].strip()
-                elif line.startswith("data:"):
-                    data = line[5:].strip()
-                    events.append((event, data if data == "[DONE]" else json.loads(data)))
-        return events
+        """(event name, data) of each server-sent event; data is parsed JSON, or serving.SSE_DONE."""
+        return list(self.client.post_events(path, {"model": self.model, **body, "stream": True}, timeout_s=300))
 
     def chat(self, **body) -> dict:
         status, out = self.post("/v1/chat/completions", {"messages": PROMPT, **NO_THINK, **body})
@@ -168,7 +145,7 @@ def check_penalties(api: Api) -> str:
 def check_streaming(api: Api) -> str:
     body = {"messages": PROMPT, **NO_THINK, "max_tokens": 16, "temperature": 0}
     events = api.stream("/v1/chat/completions", body)
-    assert events and events[-1][1] == "[DONE]"
+    assert events and events[-1][1] == serving.SSE_DONE
     text = "".join(d["choices"][0]["delta"].get("content") or "" for _, d in events[:-1] if d.get("choices"))
     whole = api.text(max_tokens=16, temperature=0)
     assert text == whole, (text, whole)
@@ -232,12 +209,12 @@ CHECKS: list[tuple[str, Callable[[Api], str]]] = [
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:18020")
-    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--api-key", help="default: $VLLM_API_KEY, else the first line of api_key.txt")
     p.add_argument("--model", help="default: the server's first model")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     try:
-        api = Api(args.url, args.api_key, args.model)
+        api = Api(args.url, serving.api_key(args.api_key), args.model)
     except (OSError, ValueError, KeyError, IndexError) as e:
         print(f"FAIL server: no usable server at {args.url}: {e}")
         return len(CHECKS)
@@ -257,7 +234,7 @@ def main(argv: list[str]) -> int:
     print(f"{count['pass']}/{len(CHECKS)} passed, {count['skip']} inconclusive (SKIP), {count['fail']} failed")
     failures = count["fail"]
     if args.json:
-        write_json_atomic(args.json, {"url": api.base, "model": api.model, "checks": results})
+        serving.write_json_atomic(args.json, {"url": api.base, "model": api.model, "checks": results})
     return failures
 
 

@@ -14,19 +14,17 @@ in which all streams decode, end-to-end aggregate, mean TTFT.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import report as br  # noqa: E402
+from bench import serving  # noqa: E402
 
 WORDS = ("harbour ledger north river winter engine copper signal garden market thunder lantern orchard "
          "bridge meadow compass silver island forest canvas mirror pocket velvet marble anchor window "
@@ -43,64 +41,46 @@ def document(n_words: int, seed: str) -> str:
     return " ".join(sentences)
 
 
-class Client:
-    def __init__(self, base: str, key: str | None):
-        self.base, self.key = base.rstrip("/").removesuffix("/v1"), key
-
-    def post(self, path: str, body: dict):
-        headers = {"Content-Type": "application/json"}
-        if self.key:
-            headers["Authorization"] = f"Bearer {self.key}"
-        req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(), headers=headers)
-        return urllib.request.urlopen(req, timeout=1800)
-
-    def model(self) -> str:
-        req = urllib.request.Request(self.base + "/v1/models",
-                                     headers={"Authorization": f"Bearer {self.key}"} if self.key else {})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return json.loads(r.read())["data"][0]["id"]
-
-    def count_tokens(self, model: str, text: str) -> int | None:
-        try:
-            with self.post("/tokenize", {"model": model, "prompt": text}) as r:
-                return json.loads(r.read())["count"]
-        except OSError:
-            return None
+STREAM_TIMEOUT_S = 1800  # eight streams of long prompts at once can take this long on a 24 GB card
 
 
-def sized_document(client: Client, model: str, tokens: int, seed: str) -> str:
+def count_tokens(client: serving.Client, model: str, text: str) -> int | None:
+    try:
+        return client.post_json("/tokenize", {"model": model, "prompt": text})["count"]
+    except OSError:
+        return None
+
+
+def sized_document(client: serving.Client, model: str, tokens: int, seed: str) -> str:
     """A document of about `tokens` tokens, sized with the server's /tokenize (1 token/word without it)."""
     words = tokens
     for _ in range(3):
         text = document(words, seed)
-        count = client.count_tokens(model, text)
+        count = count_tokens(client, model, text)
         if count is None or abs(count - tokens) <= max(16, tokens // 100):
             return text
         words = max(1, int(words * tokens / count))
     return document(words, seed)
 
 
-def stream_one(client: Client, body: dict, out: dict) -> None:
+def stream_one(client: serving.Client, body: dict, out: dict) -> None:
     """Fills out['start'] and out['times'] (one entry per generated token)."""
     out["start"] = time.perf_counter()
     times, seen = [], 0
     try:
-        with client.post("/v1/completions", body) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line.endswith("[DONE]"):
-                    continue
-                chunk = json.loads(line[5:])
-                now = time.perf_counter()
-                done = (chunk.get("usage") or {}).get("completion_tokens", seen)
-                times += [now] * (done - seen)
-                seen = done
+        for _, chunk in client.post_events("/v1/completions", body, timeout_s=STREAM_TIMEOUT_S):
+            if chunk == serving.SSE_DONE:
+                continue
+            now = time.perf_counter()
+            done = (chunk.get("usage") or {}).get("completion_tokens", seen)
+            times += [now] * (done - seen)
+            seen = done
     except OSError as e:
         out["error"] = str(e)
     out["times"] = times
 
 
-def rung(client: Client, model: str, n: int, args, docs: list[str]) -> dict:
+def rung(client: serving.Client, model: str, n: int, args, docs: list[str]) -> dict:
     bodies = []
     for i in range(n):
         prompt = docs[i] + f"\n\nQuestion {i + 1}: summarise the text above in detail, as a numbered list.\n"
@@ -126,7 +106,7 @@ def rung(client: Client, model: str, n: int, args, docs: list[str]) -> dict:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:18020")
-    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--api-key", help="default: $VLLM_API_KEY, else the first line of api_key.txt")
     p.add_argument("--n", default="1,2,4,8", help="stream counts (default %(default)s)")
     p.add_argument("--ctx-tokens", type=int, default=4096)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -142,9 +122,9 @@ def main(argv: list[str]) -> int:
         p.error(f"--n {args.n!r}: comma-separated positive integers please")
     if args.ctx_tokens < 1 or args.max_tokens < 2:
         p.error("--ctx-tokens >= 1 and --max-tokens >= 2 please")
-    client = Client(args.url, args.api_key)
+    client = serving.Client(args.url, serving.api_key(args.api_key))
     try:
-        model = client.model()
+        model = client.served_model()
     except (OSError, ValueError, KeyError, IndexError) as e:
         print(f"conc_ladder: no usable server at {args.url}: {e}", file=sys.stderr)
         return 3
@@ -166,7 +146,7 @@ def main(argv: list[str]) -> int:
         print(f"| {n} | {fig['per_stream_decode_tok_s']:.1f} | {'-' if agg is None else f'{agg:.1f}'} | "
               f"{fig['e2e_aggregate_tok_s']:.1f} | {fig['mean_ttft_ms']:.0f} |", flush=True)
     if args.out:
-        br.write_json_atomic(args.out, report)
+        serving.write_json_atomic(args.out, report)
         print(f"wrote {args.out}")
     return sum("error" in r for r in report["ladder"].values())
 

@@ -1,27 +1,33 @@
 """The full-shape GPU flow's configurations (bench/gpu/run_full.py): what each server runs and what is
 measured against it. Pure data and argv building, so the CPU tests can check every command.
 
+Every server is a serve plan (qwen_serving.plan.build: the product's own knobs and checks) plus a short, explicit
+list of what a plan cannot say: stock vLLM has none of our patches, so it gets none of the plan's exports; flags
+the stock reference launch left to vLLM are dropped again (`vllm_defaults`); every server gets the model path
+and port, Marlin forced (the RTX 3090's kernel) unless the config says otherwise, and /server_info.
+
 Servers of one call start together and share the GPU while they boot (they boot in ~4 min each, and
 the device time is scarce); they are measured one after the other once all are up, with nothing else
 on the GPU. Sharing needs every server to skip vLLM's memory profiling: each gets a fixed KV pool
-(`--kv-cache-memory-bytes`) and a low `--gpu-memory-utilization`, which then only gates the free-memory
-check at start. Neither changes a decode step: the pool only has to seat the largest cohort.
+(KV_MEM) and a low `--gpu-memory-utilization`, which then only gates the free-memory check at start, and the
+torch profiler (idle until step_profile.py starts it). Neither changes a decode step: the pool only has to
+seat the largest cohort.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from qwen_serving import plan
 
 GB = 10**9
-SERVED_NAME = "qwen3.8-27b"
+SERVED_NAME = "qwen3.8-27b"  # the plan's --served-model-name
 MAX_LEN = 40960
-SHARED_UTIL = 0.2  # the free-memory check at start only: every pool is fixed by KV_BYTES
+SHARED_UTIL = 0.2  # the free-memory check at start only: every pool is fixed by KV_MEM
 # The stock figures of issue #4 (stock vLLM 0.28.0, H200, Marlin forced, random prompts, vllm bench serve),
 # each in the report field that measures the same thing: C1 as a decode rate (1000 / mean TPOT), C64 as
 # vllm bench serve's output throughput; both with their mean TPOT.
@@ -37,50 +43,71 @@ NOTE_RANDOM = ("Random weights: draft acceptance and tokens per step mean nothin
 #   context: harness --prefill --long (prefill tok/s at 1k/4k/16k, C1 decode at 8k/16k/32k), after one C1 answer
 #   ladder: conc_ladder 1/2/4/8 streams;  steps: step_profile C1 and C64;  api: api_smoke
 RUN_KINDS = ("single", "single-c1", "batch", "repeat", "context", "ladder", "steps", "api")
+# Every server: vLLM's sampler without FlashInfer (not shipped to the test machine), /server_info on (the
+# harness records the engine config from it).
+SERVER_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_SERVER_DEV_MODE": "1"}
+# The single-user plan's 2048-token prefill chunk is the product's choice for a 24 GB card; the stock reference
+# ran vLLM's own default (8192 on the H200, recorded in bench/results/h200-full-stock-single.json).
+VLLM_CHUNK = ("--max-num-batched-tokens",)
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     name: str
-    patched: bool
-    spec_tokens: int = 0
-    product: str | None = None  # "batch": the serve plan's batch mode (W4A8, fp16 state, fp8 KV, prefix cache)
-    env: Mapping[str, str] = field(default_factory=dict)
-    kv_bytes: int = 8 * GB
-    max_num_seqs: int = 16  # vLLM 0.28.0 refuses more seats than the pool has GDN state blocks (CUDA graphs)
+    patched: bool  # False: stock vLLM 0.28.0, which reads none of the plan's exports
+    knobs: Mapping[str, str] = field(default_factory=dict)  # the plan's knob values (README's table)
+    mode: str = "single"  # the plan's mode
+    vllm_defaults: Sequence[str] = VLLM_CHUNK  # plan flags dropped again, leaving vLLM's own default
     shared_start: bool = True  # False: vLLM's own memory profiling and defaults, so it must boot alone
-    state_dtype: str | None = None  # --mamba-ssm-cache-dtype; None keeps the checkpoint's (float32)
     marlin_forced: bool = True  # False: vLLM picks the kernel (Machete on sm90)
     reference: Mapping[str, Mapping[str, float]] | None = None  # figures to reproduce (reference_check)
     runs: tuple[str, ...] = ("single-c1",)
     what: str = ""
 
 
+# The stock flags as plan knobs: no tool parser, the checkpoint's fp32 recurrent state (what vLLM's `auto` picks
+# for it), no speculation; prefix caching stays on (0.28.0's default for hybrids, mamba cache mode align), CTX=fast
+# names the bf16 KV cache on FlashAttention that vLLM picks on sm90, ASYNC_SCHED=1 what it picks for these.
+STOCK = {"TOOLS": "0", "STATE_DTYPE": "float32", "SPEC": "off"}
+
+
+def _pool(kv_gb: int, seats: int) -> dict[str, str]:
+    return {"KV_MEM": str(kv_gb * GB), "MAX_SEQS": str(seats)}
+
+
+def _mtp(k: int) -> dict[str, str]:
+    # greedy drafts: vLLM's default draft_sample_method, as the stock runs had it
+    return {"SPEC": "mtp", "DRAFT_TOKENS": str(k), "DRAFT_SAMPLE": "greedy"}
+
+
 # Pools: stock keeps vLLM's fp32 recurrent state (the checkpoint's mamba_ssm_dtype); with prefix caching on, one
 # request holds 3 GDN groups x 2 state blocks of 51 MB (memory.CacheShape). 28 GB seats 77 requests of 640 tokens;
-# 8 GB seats 7 MTP requests, and holds one MAX_LEN request; 16 GB with fp16 state seats 76.
+# 8 GB seats 7 MTP requests, and holds one MAX_LEN request; 16 GB with fp16 state seats 76. vLLM 0.28.0 refuses
+# more seats than the pool has GDN state blocks (CUDA graphs), so every pool names its seats.
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
-    BenchConfig("stock", False, kv_bytes=28 * GB, max_num_seqs=128, runs=("single", "batch", "repeat", "ladder", "steps"),
+    BenchConfig("stock", False, {**STOCK, **_pool(28, 128)}, runs=("single", "batch", "repeat", "ladder", "steps"),
                 reference=REFERENCE, what="stock vLLM 0.28.0, no speculation: the reference figures"),
-    BenchConfig("stock-ref", False, runs=("single-c1", "batch", "repeat"), shared_start=False, reference=REFERENCE,
+    BenchConfig("stock-ref", False, {**STOCK, "KV_MEM": "", "GPU_UTIL": "0.9"},
+                vllm_defaults=(*VLLM_CHUNK, "--max-num-seqs"), runs=("single-c1", "batch", "repeat"),
+                shared_start=False, reference=REFERENCE,
                 what="stock exactly as the issue's reference was launched (utilization 0.9, vLLM's default seats, "
                      "no profiler); boots alone"),
-    BenchConfig("stock-mtp4", False, 4, what="stock, MTP k=4: the cost of a verify step"),
-    BenchConfig("stock-mtp7", False, 7, what="stock, MTP k=7: the cost of a verify step"),
-    BenchConfig("stock-machete", False, kv_bytes=4 * GB, runs=("single-c1", "repeat"), marlin_forced=False,
+    BenchConfig("stock-mtp4", False, {**STOCK, **_pool(8, 16), **_mtp(4)}, what="stock, MTP k=4: the cost of a verify step"),
+    BenchConfig("stock-mtp7", False, {**STOCK, **_pool(8, 16), **_mtp(7)}, what="stock, MTP k=7: the cost of a verify step"),
+    BenchConfig("stock-machete", False, {**STOCK, **_pool(4, 16)}, runs=("single-c1", "repeat"), marlin_forced=False,
                 reference=REFERENCE_MACHETE, what="stock on vLLM's own choice of kernel (Machete on the H200)"),
-    BenchConfig("stock-fp16state", False, kv_bytes=16 * GB, max_num_seqs=128, state_dtype="float16",
+    BenchConfig("stock-fp16state", False, {**STOCK, **_pool(16, 128), "STATE_DTYPE": "float16"},
                 runs=("single-c1", "batch", "repeat", "steps", "api"), reference=REFERENCE,
                 what="stock with the GDN state in fp16 (half its traffic): the state's share of a C64 step, the "
                      "reference figures if the reference server kept a 16-bit state, and the API without a tool "
                      "parser (one can take a random answer for a call)"),
-    BenchConfig("patched-defaults", True, kv_bytes=28 * GB, max_num_seqs=128, runs=("single-c1", "batch", "context"),
+    BenchConfig("patched-defaults", True, {**STOCK, **_pool(28, 128)}, runs=("single-c1", "batch", "context"),
                 what="the patch series with the stock flags: patches at their defaults; prefill and long-context rates"),
-    BenchConfig("patched-mtp4", True, 4, env={"VLLM_SPEC_DECODE_ATTN": "1"},
-                what="patched, MTP k=4, verify attention on qwen_serving.engine.kernels.spec_attn"),
-    BenchConfig("patched-mtp7", True, 7, env={"VLLM_SPEC_DECODE_ATTN": "1"},
-                what="patched, MTP k=7, verify attention on qwen_serving.engine.kernels.spec_attn"),
-    BenchConfig("patched-batch", True, product="batch", kv_bytes=16 * GB,
+    BenchConfig("patched-mtp4", True, {**STOCK, **_pool(8, 16), **_mtp(4)},
+                what="patched, MTP k=4, verify attention on qwen_serving.engine.kernels.spec_attn (SPEC_ATTN=1)"),
+    BenchConfig("patched-mtp7", True, {**STOCK, **_pool(8, 16), **_mtp(7)},
+                what="patched, MTP k=7, verify attention on qwen_serving.engine.kernels.spec_attn (SPEC_ATTN=1)"),
+    BenchConfig("patched-batch", True, {"KV_MEM": str(16 * GB)}, mode="batch", vllm_defaults=(),
                 runs=("single-c1", "batch", "ladder", "steps", "api"),
                 what="the serve plan's batch mode (W4A8 MLP GEMMs, fp16 state, fp8 KV, prefix cache, async)"),
 )}
@@ -102,34 +129,41 @@ class ServerCommand:
         return f"{exports} {shlex.join(self.argv)}".strip()
 
 
+def serve_plan(cfg: BenchConfig, *, ckpt: Path, port: int, traces: Path,
+               probe: plan.Probe | None = None) -> plan.ServePlan:
+    """The config's serve plan: its knobs plus what every server here shares (model, address, context length,
+    Triton GDN prefill: no FlashInfer on the test machine) and, on a shared boot, the low utilization and the
+    profiler. A refusal of the plan is a PlanError, as for any other serve plan."""
+    knob_env = {"MODEL": str(ckpt), "HOST": "127.0.0.1", "PORT": str(port), "MAX_LEN": str(MAX_LEN),
+                "GDN_PREFILL": "triton", **cfg.knobs}
+    if cfg.shared_start:
+        knob_env["EXTRA_ARGS"] = shlex.join(["--gpu-memory-utilization", str(SHARED_UTIL),
+                                             "--profiler-config", profiler_config(traces)])
+    return plan.build(cfg.mode, knob_env, probe=probe)
+
+
+def without_flags(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
+    """argv less each of `flags` and its value; a flag that is not there is an error (the override is stale)."""
+    out = list(argv)
+    for flag in flags:
+        if flag not in out:
+            raise ValueError(f"{flag} is not in the plan's argv: nothing to leave to vLLM")
+        at = out.index(flag)
+        del out[at:at + 2]
+    return out
+
+
 def server_command(cfg: BenchConfig, *, python: str, ckpt: Path, port: int, traces: Path,
                    probe: plan.Probe | None = None) -> ServerCommand:
-    """The vllm serve command of one config. Every server: Triton GDN prefill (no FlashInfer on the test
-    machine), the text model only; Marlin forced (the RTX 3090's kernel) unless the config says otherwise; the
-    profiler configured on every server that shares the boot."""
-    env = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_SERVER_DEV_MODE": "1", **cfg.env}
+    """The vllm serve command of one config (module form: the test machine has no console script on PATH)."""
+    served = serve_plan(cfg, ckpt=ckpt, port=port, traces=traces, probe=probe)
+    if served.argv[:2] != ("vllm", "serve"):
+        raise ValueError(f"the {cfg.mode} plan does not start with `vllm serve`: {served.argv[:2]}")
+    env = {**(served.env if cfg.patched else {}), **SERVER_ENV}
     if cfg.marlin_forced:
         env["VLLM_DISABLED_KERNELS"] = "MacheteLinearKernel"
-    shared = ["--gpu-memory-utilization", str(SHARED_UTIL), "--profiler-config", profiler_config(traces)]
-    cli = [python, "-m", "vllm.entrypoints.cli.main", "serve"]
-    if cfg.product:
-        knob_env = {"MODEL": str(ckpt), "PORT": str(port), "HOST": "127.0.0.1", "KV_MEM": str(cfg.kv_bytes),
-                    "MAX_LEN": str(MAX_LEN), "GDN_PREFILL": "triton", "EXTRA_ARGS": shlex.join(shared)}
-        served = plan.build(cfg.product, knob_env, probe=probe)
-        if served.argv[:2] != ("vllm", "serve"):
-            raise ValueError(f"the {cfg.product} plan does not start with `vllm serve`: {served.argv[:2]}")
-        return ServerCommand((*cli, *served.argv[2:]), {**dict(served.env), **env})
-    argv = [*cli, str(ckpt), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
-            "--language-model-only", "--gdn-prefill-backend", "triton", "--max-model-len", str(MAX_LEN)]
-    if cfg.shared_start:
-        argv += ["--kv-cache-memory-bytes", str(cfg.kv_bytes), "--max-num-seqs", str(cfg.max_num_seqs), *shared]
-    else:
-        argv += ["--gpu-memory-utilization", "0.9"]
-    if cfg.state_dtype:
-        argv += ["--mamba-ssm-cache-dtype", cfg.state_dtype]
-    if cfg.spec_tokens:
-        argv += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": cfg.spec_tokens})]
-    return ServerCommand(tuple(argv), env)
+    argv = (python, "-m", "vllm.entrypoints.cli.main", "serve", *without_flags(served.argv[2:], cfg.vllm_defaults))
+    return ServerCommand(argv, env)
 
 
 @dataclass(frozen=True)

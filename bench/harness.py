@@ -17,8 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import report as br  # noqa: E402
+from bench import serving  # noqa: E402
 
 # vLLM's CLI, with the CPU shims on a machine without a GPU (a no-op on CUDA machines).
 VLLM_CLI = ("from qwen_serving.engine import cpu_compat; cpu_compat.install(); "
@@ -34,41 +33,26 @@ WARMUP_SEED_OFFSET = 1_000_003  # far from the seeds of the measured runs (base 
 WARMUP_TOKEN_IDS = range(100, 4000)  # ordinary tokens in Qwen's vocabulary and in the tiny test checkpoints'
 
 
-def api_key(args) -> str | None:
-    return args.api_key or os.environ.get("VLLM_API_KEY") or os.environ.get("OPENAI_API_KEY")
-
-
-def http_get(url: str, key: str | None, timeout: float = 30.0) -> tuple[int, str]:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
-
-
 def metrics(base: str, key: str | None) -> br.MetricsSnapshot:
-    status, text = http_get(f"{base}/metrics", key)
-    if status != 200:
-        raise RuntimeError(f"GET {base}/metrics -> HTTP {status}")
-    return br.snapshot(text)
+    return br.snapshot(serving.get_text(f"{base}/metrics", key=key, timeout_s=30))
 
 
 def server_facts(base: str, key: str | None) -> dict:
     """What the server says about itself: version, model, cache config, and the full engine config
     when it runs with VLLM_SERVER_DEV_MODE=1 (/server_info)."""
     facts: dict = {"url": base}
-    status, body = http_get(f"{base}/version", key)
-    facts["vllm_version"] = json.loads(body).get("version") if status == 200 else None
-    status, body = http_get(f"{base}/v1/models", key)
-    if status != 200:
-        raise RuntimeError(f"GET {base}/v1/models -> HTTP {status}: {body[:200]}")
-    model = json.loads(body)["data"][0]
+    try:
+        facts["vllm_version"] = serving.get_json(f"{base}/version", key=key, timeout_s=30).get("version")
+    except serving.HttpError:
+        facts["vllm_version"] = None
+    model = serving.get_json(f"{base}/v1/models", key=key, timeout_s=30)["data"][0]
     facts["model"] = {k: model.get(k) for k in ("id", "root", "max_model_len")}
     facts["cache_config"] = metrics(base, key).cache_config
-    status, body = http_get(f"{base}/server_info?config_format=json", key, timeout=120)
-    if status == 200:
-        info = json.loads(body)
+    try:
+        info = serving.get_json(f"{base}/server_info?config_format=json", key=key, timeout_s=120)
+    except serving.HttpError:  # 404 unless the server runs in dev mode
+        info = None
+    if info is not None:
         facts["vllm_config"] = info.get("vllm_config")
         facts["vllm_env"] = info.get("vllm_env")
         facts["system_env"] = info.get("system_env")
@@ -118,24 +102,11 @@ def bench_serve(run: br.RunSpec, args, base: str, key: str | None, seed: int, sa
     return json.loads((Path(workdir) / f"{run.name}.json").read_text())
 
 
-def http_post_json(url: str, key: str | None, body: dict, timeout: float = 600.0) -> dict:
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"POST {url} -> HTTP {e.code}: {e.read().decode(errors='replace')[:300]}") from e
-
-
 def warm_up(spec: br.RunSpec, args, base: str, key: str | None, seed: int, salt: str) -> None:
     """The unmeasured warm-up call, straight over HTTP (a second `vllm bench serve` would spend ~30 s
     starting): spec.num_prompts completions at once, prompts of the run's shape (random token ids of
     spec.input_len, or the prompts file's texts), spec.output_len tokens each, all under their own salt."""
-    status, body = http_get(f"{base}/v1/models", key)
-    if status != 200:
-        raise RuntimeError(f"warm-up: GET {base}/v1/models -> HTTP {status}")
-    model = json.loads(body)["data"][0]["id"]
+    model = serving.Client(base, key).served_model()
     rng = random.Random(seed)
     if spec.dataset == "random":
         prompts = [[rng.choice(WARMUP_TOKEN_IDS) for _ in range(spec.input_len)] for _ in range(spec.num_prompts)]
@@ -148,7 +119,7 @@ def warm_up(spec: br.RunSpec, args, base: str, key: str | None, seed: int, salt:
     bodies = [{"model": model, "prompt": p, "max_tokens": spec.output_len, "cache_salt": salt, **extra}
               for p in prompts]
     with ThreadPoolExecutor(max_workers=spec.concurrency) as pool:
-        list(pool.map(lambda b: http_post_json(f"{base}/v1/completions", key, b), bodies))
+        list(pool.map(lambda b: serving.post_json(f"{base}/v1/completions", b, key=key), bodies))
 
 
 def run_one(run: br.RunSpec, args, base: str, key: str | None, seed: int, workdir: str) -> dict:
@@ -194,7 +165,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the unmeasured warm-up call before each run (same shapes, short answers)")
     p.add_argument("--ignore-eos", action="store_true", help="every answer runs to its full length (random weights)")
-    p.add_argument("--api-key", help="default: $VLLM_API_KEY or $OPENAI_API_KEY")
+    p.add_argument("--api-key", help="default: $VLLM_API_KEY, else the first line of api_key.txt")
     p.add_argument("--note", action="append", default=[], help="a line stored in the report and printed under it")
     p.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE", help="stored under report.meta")
     p.add_argument("--force", action="store_true", help="overwrite an existing report of the same tag")
@@ -230,7 +201,7 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"run_benchmarks: {e}", file=sys.stderr)
         return 2
-    key = api_key(args)
+    key = serving.api_key(args.api_key)
     try:
         server = server_facts(args.url, key)
     except (OSError, RuntimeError, ValueError, KeyError, IndexError) as e:
@@ -273,9 +244,9 @@ def main(argv: list[str]) -> int:
                         f"TTFT {fig['ttft_ms']['mean']:.0f} ms")
             print(f"    {headline} ({time.time() - t0:.0f} s)", flush=True)
             if i + 1 < len(runs):  # a harness stopped from outside keeps what it measured
-                br.write_json_atomic(report_path, report([r.name for r in runs[i + 1:]]))
+                serving.write_json_atomic(report_path, report([r.name for r in runs[i + 1:]]))
     final = report([])
-    br.write_json_atomic(report_path, final)
+    serving.write_json_atomic(report_path, final)
     if sections["cohorts"] or sections["prefill"]:
         br.plot_report(final, report_path.with_suffix(".png"))
     print(br.summary_markdown(final))

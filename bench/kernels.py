@@ -29,9 +29,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.report import save_figure, write_json_atomic  # noqa: E402
+from bench.report import save_figure  # noqa: E402
+from bench.serving import write_json_atomic  # noqa: E402
+from qwen_serving import model  # noqa: E402
 
-HQ, HKV, HEAD_DIM, VOCAB = 24, 4, 256, 248_320
+HQ, HKV, HEAD_DIM, VOCAB = model.Q_HEADS, model.KV_HEADS, model.HEAD_DIM, model.VOCAB
 PAGE = 16
 PREFILL_CONFIGS = [(64, 64, 4), (64, 64, 8), (128, 64, 8), (128, 32, 8), (64, 32, 4)]  # block_m, block_n, warps
 ROTATE_BYTES = 256 << 20  # enough distinct inputs to stream past the L2 cache

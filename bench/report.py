@@ -1,5 +1,5 @@
 """Figures for the serving harness (bench/): pure functions over `vllm bench serve` result files and
-Prometheus /metrics pages, plus the report file and its chart.
+Prometheus /metrics pages, plus the report's chart (bench.serving reads the pages and writes the files).
 
 Definitions used everywhere in this project (and in the product spec's tables):
 - decode rate = C x 1000 / mean TPOT (ms), C = the cohort's max concurrency; the rate a user feels
@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.serving import parse_prometheus
 
 SCHEMA = "qwen-serving-bench/1"
 
@@ -40,41 +41,6 @@ COUNTERS = {
     "spec_accepted": SPEC_ACCEPTED,
 }
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
-
-_SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$")
-_LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
-_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
-
-
-@dataclass(frozen=True)
-class Sample:
-    name: str
-    labels: dict[str, str]
-    value: float
-
-
-def parse_prometheus(text: str) -> list[Sample]:
-    """Samples of a Prometheus text exposition page (comments and blank lines skipped)."""
-    samples = []
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if not match:
-            raise ValueError(f"/metrics line {lineno} is not a Prometheus sample: {line[:120]!r}")
-        labels = {}
-        body = match.group("labels") or ""
-        pos = 0
-        while pos < len(body):
-            label = _LABEL.match(body, pos)
-            if not label:
-                raise ValueError(f"/metrics line {lineno}: bad label set {body[:120]!r}")
-            labels[label.group(1)] = re.sub(r'\\[\\"n]', lambda m: _UNESCAPE[m.group(0)], label.group(2))
-            pos = label.end()
-        samples.append(Sample(match.group("name"), labels, float(match.group("value"))))
-    return samples
-
 
 @dataclass
 class MetricsSnapshot:
@@ -335,20 +301,6 @@ def summary_markdown(report: dict) -> str:
     for note in report.get("notes", []):
         lines.append(f"\n> {note}")
     return "\n".join(lines) + "\n"
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write through a temp file in the same folder, so a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _matplotlib():

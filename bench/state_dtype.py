@@ -54,8 +54,8 @@ from types import MethodType, SimpleNamespace
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.report import write_json_atomic  # noqa: E402
-from qwen_serving import memory  # noqa: E402
+from bench.serving import write_json_atomic  # noqa: E402
+from qwen_serving import memory, model  # noqa: E402
 
 STATE_DTYPES = ("float32", "bfloat16", "float16")
 DECODE_BATCHES = (1, 8, 32, 64)  # batch mode runs up to MAX_SEQS=64 plain decodes
@@ -90,11 +90,11 @@ def say(msg: str) -> None:
 class GdnDims:
     """The GDN geometry the kernels see (the 27B's by default)."""
 
-    k_heads: int = memory.GDN_K_HEADS
-    v_heads: int = memory.GDN_V_HEADS
-    head_dim: int = memory.GDN_HEAD_DIM
-    conv_kernel: int = memory.CONV_KERNEL
-    layers: int = memory.GDN_LAYERS
+    k_heads: int = model.GDN_K_HEADS
+    v_heads: int = model.GDN_V_HEADS
+    head_dim: int = model.GDN_HEAD_DIM
+    conv_kernel: int = model.CONV_KERNEL
+    layers: int = model.GDN_LAYERS
 
     @property
     def key_dim(self) -> int:
@@ -117,7 +117,7 @@ REAL = GdnDims()
 
 def state_bytes(dims: GdnDims, state_dtype: str) -> int:
     """One request's [HV, V, K] recurrent state in one layer."""
-    return dims.v_heads * dims.head_dim * dims.head_dim * memory.DTYPE_BYTES[state_dtype]
+    return dims.v_heads * dims.head_dim * dims.head_dim * model.DTYPE_BYTES[state_dtype]
 
 
 def layer_traffic(dims: GdnDims, state_dtype: str, batch: int, tokens: int) -> int:
@@ -128,7 +128,7 @@ def layer_traffic(dims: GdnDims, state_dtype: str, batch: int, tokens: int) -> i
     read and written once per kernel: qkv through the conv and into the recurrence, a/b, the core output,
     the gate, the normed output.
     """
-    act = 2
+    act = model.DTYPE_BYTES[model.DTYPE]
     state = state_bytes(dims, state_dtype) * (1 + tokens)
     conv = 2 * (dims.conv_kernel - 1 + tokens - 1) * dims.conv_dim * act
     acts = tokens * (3 * dims.conv_dim + 2 * dims.v_heads + 4 * dims.value_dim) * act

@@ -28,7 +28,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from qwen_serving import memory
+from qwen_serving import memory, model
 
 CATEGORIES = ("marlin_gemm", "lm_head", "dense_gemm", "gdn", "attention", "norm_act", "sampling", "memory", "other")
 GAPS = ("gap_launch", "gap_host")
@@ -248,22 +248,19 @@ def weight_bytes(tensors: dict[str, tuple[str, list[int]]]) -> dict[str, int]:
     return out
 
 
-# Bytes per element of the dtype names vLLM 0.28.0 takes for the model, the KV cache (config/cache.py
-# CacheDType) and the GDN state (MambaDType); "torch.bfloat16" is how /server_info writes a torch.dtype.
-ELEMENT_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
-                 "fp8_e5m2": 1, "fp8_inc": 1}
 PER_TOKEN_HEAD_KV = ("int8_per_token_head", "int4_per_token_head")  # data plus per-head scales (memory.py)
 
 
 def _dtype_name(name: str) -> str:
-    return str(name).removeprefix("torch.").lower()
+    return str(name).removeprefix("torch.").lower()  # "torch.bfloat16" is how /server_info writes a torch.dtype
 
 
 def element_bytes(dtype: str) -> int:
+    """Bytes per element of a vLLM dtype name (model.DTYPE_BYTES)."""
     name = _dtype_name(dtype)
-    if name not in ELEMENT_BYTES:
-        raise ValueError(f"no byte size known for dtype {dtype!r} (known: {', '.join(ELEMENT_BYTES)})")
-    return ELEMENT_BYTES[name]
+    if name not in model.DTYPE_BYTES:
+        raise ValueError(f"no byte size known for dtype {dtype!r} (known: {', '.join(model.DTYPE_BYTES)})")
+    return model.DTYPE_BYTES[name]
 
 
 def kv_bytes_per_token_layer(kv_dtype: str, kv_heads: int, head_dim: int) -> int:

@@ -29,10 +29,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from conc_ladder import Client, document, stream_one  # noqa: E402
-from harness import http_get  # noqa: E402
+from conc_ladder import document, stream_one  # noqa: E402
 
 from bench import report as br  # noqa: E402
+from bench import serving  # noqa: E402
 from bench import step_analysis as sp  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def device_copy_gbps(nbytes: int = 1 << 30) -> float | None:
     return 2 * nbytes / best / 1e9
 
 
-def run_streams(client: Client, model: str, batch: int, tokens: int, salt: str) -> dict:
+def run_streams(client: serving.Client, model: str, batch: int, tokens: int, salt: str) -> dict:
     outs = [{} for _ in range(batch)]
     bodies = [{"model": model, "prompt": document(100, f"{salt}-{i}"), "max_tokens": tokens, "ignore_eos": True,
                "temperature": 0, "cache_salt": f"{salt}-{i}", "stream": True,
@@ -75,13 +75,14 @@ def run_streams(client: Client, model: str, batch: int, tokens: int, salt: str) 
     return br.ladder_figures([o["start"] for o in outs], [o["times"] for o in outs])
 
 
-def server_vllm_config(client: Client) -> dict | None:
+def server_vllm_config(client: serving.Client) -> dict | None:
     """The engine config from /server_info (VLLM_SERVER_DEV_MODE=1), or None with a printed note."""
     try:
-        status, body = http_get(f"{client.base}/server_info?config_format=json", client.key, timeout=120)
-        config = json.loads(body).get("vllm_config") if status == 200 else None
+        config, status = client.get_json("/server_info?config_format=json", timeout_s=120).get("vllm_config"), 200
+    except serving.HttpError as e:
+        config, status = None, e.status
     except (OSError, ValueError, AttributeError) as e:
-        status, config = repr(e), None
+        config, status = None, repr(e)
     if not isinstance(config, dict):
         print(f"note: no engine config from {client.base}/server_info ({status}; start the server with "
               "VLLM_SERVER_DEV_MODE=1): GDN state and KV bytes use the checkpoint config's dtypes "
@@ -202,7 +203,7 @@ def reanalyze(args: argparse.Namespace) -> int:
               "reanalyzed": {"from": str(args.reanalyze), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                              "note": "breakdown, bytes and kernel table recomputed from the saved traces; "
                                      "measured step times as recorded on the device"}}
-    br.write_json_atomic(args.out, report)
+    serving.write_json_atomic(args.out, report)
     plot(results, args.out.with_suffix(".png"))
     print(f"wrote {args.out}")
     return 0
@@ -216,7 +217,7 @@ def args_error(message: str) -> None:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:18020")
-    p.add_argument("--api-key")
+    p.add_argument("--api-key", help="default: $VLLM_API_KEY, else the first line of api_key.txt")
     p.add_argument("--trace-dir", type=Path, required=True, help="the server's torch_profiler_dir")
     p.add_argument("--model-dir", type=Path, help="the served checkpoint (safetensors + config); required unless "
                                                    "--reanalyze")
@@ -238,8 +239,8 @@ def main(argv: list[str]) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     weights, text_config = model_bytes(args.model_dir)
     gbps = args.bandwidth_gbps or device_copy_gbps()
-    client = Client(args.url, args.api_key)
-    model = client.model()
+    client = serving.Client(args.url, serving.api_key(args.api_key))
+    model = client.served_model()
     dtypes = sp.cache_dtypes(text_config, server_vllm_config(client))
     print(f"cache dtypes ({dtypes['source']}): GDN state {dtypes['ssm']}, KV {dtypes['kv']}", flush=True)
     results = {}
@@ -250,9 +251,9 @@ def main(argv: list[str]) -> int:
         run_streams(client, model, batch, 8, salt + "-warm")
         measured = run_streams(client, model, batch, 4 * args.tokens, salt + "-measure")
         before = set(args.trace_dir.rglob("*.json*"))
-        client.post("/start_profile", {}).close()
+        client.post_json("/start_profile", {})
         run_streams(client, model, batch, args.tokens, salt + "-profile")
-        client.post("/stop_profile", {}).close()
+        client.post_json("/stop_profile", {})
         trace_path = new_trace(args.trace_dir, before)
         results[f"C{batch}"] = analyze(trace_path, batch, sp.measured_step_ms(measured, batch), ctx, text_config,
                                        weights, dtypes, gbps)
@@ -261,7 +262,7 @@ def main(argv: list[str]) -> int:
               "cache_dtypes": dtypes,
               "weight_bytes": weights, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": results,
               "definitions": sp.__doc__}
-    br.write_json_atomic(args.out, report)
+    serving.write_json_atomic(args.out, report)
     plot(results, args.out.with_suffix(".png"))
     print(f"wrote {args.out}")
     return 0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qwen_serving.checkpoint import draft_vocab, steps  # noqa: E402
+from qwen_serving.checkpoint import draft_vocab, step_names, steps  # noqa: E402
 from qwen_serving.checkpoint.console import say  # noqa: E402
 from qwen_serving.checkpoint.rewrite import run_step  # noqa: E402
 
@@ -59,7 +59,7 @@ def main() -> int:
     except (OSError, ValueError) as e:
         print(f"draft_vocab: error: {e}", file=sys.stderr)
         return 2
-    return run_step(model, "draft_vocab", lambda m: steps.build_draft_head(m, ids, note, report or None))
+    return run_step(model, step_names.DRAFT_VOCAB, lambda m: steps.build_draft_head(m, ids, note, report or None))
 
 
 if __name__ == "__main__":

@@ -11,33 +11,14 @@ VLLM_API_KEY or api_key.txt.
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import serving  # noqa: E402
 from qwen_serving.checkpoint import draft_vocab  # noqa: E402
-
-
-def api_key(explicit: str | None) -> str | None:
-    if explicit:
-        return explicit
-    if os.environ.get("VLLM_API_KEY"):
-        return os.environ["VLLM_API_KEY"]
-    key_file = REPO / "api_key.txt"
-    if key_file.exists():
-        return key_file.read_text().strip() or None
-    return None
-
-
-def served_model(url: str, key: str | None) -> str:
-    import urllib.request
-
-    request = urllib.request.Request(f"{url.rstrip('/')}/models", headers={"Authorization": f"Bearer {key}"} if key else {})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.load(response)["data"][0]["id"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         prompts = draft_vocab.read_prompts(args.prompts)
-        key = api_key(args.api_key)
-        model = args.model or served_model(args.url, key)
+        key = serving.api_key(args.api_key)
+        model = args.model or serving.Client(args.url, key).served_model()
         settings = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
                     "top_p": args.top_p, **json.loads(args.extra_body)}
     except (OSError, ValueError, KeyError, IndexError) as e:

@@ -1,21 +1,27 @@
-"""Every launcher knob as data: type, default per mode and per CTX/SPEC, allowed values, one line of doc.
+"""Every launcher knob as data: type, default per mode and per CTX/SPEC, allowed values, one line of doc,
+how it reaches vLLM (argv flags or an exported variable) and the cross-knob rules, each with its why.
 
 `python -m qwen_serving.knobs --markdown [--mode batch|single|common]` renders the tables the
 READMEs carry (tests/test_knobs.py fails when a README drifts from this file).
 
 Defaults are ordered rules: the first rule whose conditions all hold gives the value. Conditions
-only name knobs listed earlier, so one pass in list order resolves everything (`resolve`).
+only name knobs listed earlier, so one pass in list order resolves everything (`resolve`). A `Limit`
+is a default that is also a bound: the same datum gives the value where its conditions hold and the
+refusal (or warning) for a value set by hand that breaks it. `CHECKS` holds the refusals and warnings
+not tied to one default. `render` turns the resolved values into the argv and the exports; plan.py
+adds only what depends on the machine (files, free VRAM, the API key).
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 import re
 import shlex
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +31,10 @@ FAST_MODEL = "models/Qwen3.8-27B-W4A16-AutoRound-fast"
 DFLASH2_DRAFTER = "models/Qwen3.8-27B-DFlash2-W4A16"
 KV_MEM_PINNED = 5_583_457_484  # 5.2 GiB: the DFlash2 pool, pinned by bytes (spec: deterministic boots)
 KV_MEM_PINNED_HUGE = 5_261_334_937  # 4.90 GiB: the same for CTX=huge
+SERVED_NAME = "qwen3.8-27b"
+API_KEY_FILE = "api_key.txt"
+VISION_MAX_PIXELS = 2048 * 32 * 32  # 2048 image tokens of 32x32 pixels (16-pixel patches, 2x2 merge)
+HUGE_KV = "kvarn"  # the long-context cache dtype CTX=huge and KV=kvarn ask for (the KVarN cache is not built yet)
 
 
 class KnobError(ValueError):
@@ -40,14 +50,49 @@ class Ref:
 
 @dataclass(frozen=True)
 class Above:
-    """A rule condition: the knob's value is an integer above n."""
+    """A condition: the knob's value is a number above n."""
 
-    n: int
+    n: float
 
 
-def _holds(want: object, have: object) -> bool:
+@dataclass(frozen=True)
+class Not:
+    """A condition: the inner condition does not hold."""
+
+    want: object
+
+
+def at_most(n: float) -> Not:
+    return Not(Above(n))
+
+
+@dataclass(frozen=True)
+class Alternatives:
+    """A condition on a regex knob: its `|` alternatives are exactly these, in any order."""
+
+    names: frozenset[str]
+
+
+@dataclass(frozen=True)
+class HasArg:
+    """A condition on EXTRA_ARGS: it carries this flag (alone or as `flag=value`)."""
+
+    flag: str
+
+
+SET = "<set in the environment>"  # a condition: the knob was set by hand, whatever its value
+
+
+def holds(want: object, have: object) -> bool:
+    """Whether the value `have` meets the condition `want` (a value, a tuple of values, or one of the above)."""
     if isinstance(want, Above):
-        return isinstance(have, int) and have > want.n
+        return isinstance(have, int | float) and have > want.n
+    if isinstance(want, Not):
+        return not holds(want.want, have)
+    if isinstance(want, Alternatives):
+        return isinstance(have, str) and set(have.split("|")) == want.names
+    if isinstance(want, HasArg):
+        return isinstance(have, str) and any(a == want.flag or a.startswith(want.flag + "=") for a in shlex.split(have))
     if isinstance(want, tuple):
         return have in want
     return have == want
@@ -60,7 +105,7 @@ class Rule:
     why: str = ""
 
     def matches(self, mode: str, resolved: Mapping[str, object]) -> bool:
-        return all(_holds(want, mode if key == "mode" else resolved.get(key)) for key, want in self.when.items())
+        return all(holds(want, mode if key == "mode" else resolved.get(key)) for key, want in self.when.items())
 
     def describe(self) -> str:
         parts = []
@@ -76,7 +121,45 @@ class Rule:
         return ", ".join(parts)
 
 
-def _int(lo: int | None = None, hi: int | None = None) -> Callable[[str], int]:
+@dataclass(frozen=True)
+class Check:
+    """A combination that is refused (or, with warn, warned about). `message` is the reason and the fix,
+    formatted with the knob values ({MAX_SEQS} is MAX_SEQS's value)."""
+
+    when: Mapping[str, object]  # knob (or "mode") -> condition, or SET
+    message: str
+    warn: bool = False
+
+    def applies(self, mode: str, values: Mapping[str, object], explicit: frozenset[str]) -> bool:
+        return all(key in explicit if want == SET else holds(want, mode if key == "mode" else values.get(key))
+                   for key, want in self.when.items())
+
+
+@dataclass(frozen=True)
+class Limit(Rule):
+    """A default that is also a bound: where `when` holds the knob defaults to `value`, and a value that
+    does not meet `allowed` where `checked_when` (default: `when`) holds is refused, or warned about."""
+
+    allowed: object = None
+    message: str = ""
+    warn: bool = False
+    checked_when: Mapping[str, object] | None = None
+
+    def check(self, knob: str) -> Check:
+        where = self.when if self.checked_when is None else self.checked_when
+        return Check({**where, knob: Not(self.allowed)}, self.message, self.warn)
+
+
+Parser = Callable[[str], object]
+
+
+def _samples(parse: Parser, *values: str) -> Parser:
+    """Record values a parser accepts, beside its default: tests try each knob at them."""
+    parse.samples = values  # type: ignore[attr-defined]
+    return parse
+
+
+def _int(lo: int | None = None, hi: int | None = None) -> Parser:
     def parse(text: str) -> int:
         try:
             value = int(text.replace("_", ""))
@@ -86,7 +169,7 @@ def _int(lo: int | None = None, hi: int | None = None) -> Callable[[str], int]:
             raise KnobError(f"{value} is outside {lo}..{hi if hi is not None else 'inf'}")
         return value
 
-    return parse
+    return _samples(parse, *(str(n) for n in (lo, hi) if n is not None))
 
 
 def _fraction(text: str) -> float:
@@ -99,20 +182,20 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _flag(text: str) -> int:
+def _bit(text: str) -> int:
     if text not in ("0", "1"):
         raise KnobError(f"{text!r} is not 0 or 1")
     return int(text)
 
 
-def _choice(*values: str) -> Callable[[str], str]:
+def _choice(*values: str) -> Parser:
     def parse(text: str) -> str:
         if text not in values:
             raise KnobError(f"{text!r} is not one of {', '.join(values)}")
         return text
 
     parse.choices = values  # type: ignore[attr-defined]
-    return parse
+    return _samples(parse, *values)
 
 
 def _regex(text: str) -> str:
@@ -162,6 +245,16 @@ def _text(text: str) -> str:
     return text
 
 
+_samples(_fraction, "0.5", "1.0")
+_bit.choices = ("0", "1")  # type: ignore[attr-defined]
+_samples(_bit, "0", "1")
+_samples(_regex, ".", "mlp")
+_samples(_bytes_or_auto, "", "auto", "6GiB")
+_samples(_host, "0.0.0.0", "::1")
+_samples(_args, "--seed 1")
+_samples(_text, "elsewhere")
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -172,13 +265,65 @@ def is_loopback(host: str) -> bool:
 
 
 @dataclass(frozen=True)
+class Sized:
+    """What the plan works out from the machine before rendering: the checkpoint dir, the context
+    after KV_MEM=auto fitting, the pool in bytes (None: vLLM sizes it from GPU_UTIL) and the KV layout."""
+
+    model: str
+    max_len: int
+    kv_mem: int | None
+    kv_dtype: str
+    backend: str
+    batched_tokens: int | None  # --max-num-batched-tokens, when the mode sets it
+
+
+# A knob's argv: (its value, every knob's value, the sized pool) -> the arguments it adds.
+Argv = Callable[[object, "Values", Sized], Sequence[str]]
+
+
+def _opt(flag: str, unless: object = None) -> Argv:
+    """`flag VALUE`, left out when the value is `unless` (vLLM's own default)."""
+    return lambda value, v, z: [] if value == unless else [flag, str(value)]
+
+
+def _switch(on: Sequence[str], off: Sequence[str] = ()) -> Argv:
+    return lambda value, v, z: on if value else off
+
+
+def _kv_args(value: object, v: Values, z: Sized) -> list[str]:
+    return (["--kv-cache-dtype", z.kv_dtype] if z.kv_dtype != "auto" else []) + \
+        (["--attention-backend", z.backend] if z.backend else [])
+
+
+def _spec_args(value: object, v: Values, z: Sized) -> list[str]:
+    if value == "mtp":
+        config = {"method": "mtp", "num_speculative_tokens": v.draft_tokens, "draft_sample_method": v.draft_sample}
+    elif value == "dflash2":
+        config = {"method": "dflash", "model": v.draft, "num_speculative_tokens": v.dflash_tokens}
+    else:
+        return []
+    return ["--speculative-config", json.dumps(config)]
+
+
+@dataclass(frozen=True)
+class Export:
+    """An environment variable the knob sets for vLLM (and our patches) where `when` holds."""
+
+    var: str
+    when: Mapping[str, object] = field(default_factory=dict)  # knob -> condition, as in Rule.when
+    text: Callable[[object], str] = str  # the exported string for the knob's value
+
+
+@dataclass(frozen=True)
 class Knob:
     name: str
-    parse: Callable[[str], object]
+    parse: Parser
     defaults: tuple[Rule, ...]
     doc: str
     modes: tuple[str, ...] = MODES
-    env: str = ""  # exported to vLLM under this name when the plan uses it
+    argv: Argv | None = None  # how the value becomes vllm arguments
+    export: Export | None = None  # or an exported variable
+    idle: object = None  # the value in a mode that does not offer the knob (None: its last default)
 
     def default(self, mode: str, resolved: Mapping[str, object]) -> tuple[object, Rule]:
         for rule in self.defaults:
@@ -187,12 +332,25 @@ class Knob:
                 return value, rule
         raise AssertionError(f"{self.name}: no default rule matched in mode {mode}")
 
+    @property
+    def samples(self) -> tuple[str, ...]:
+        """Values other than the default to try the knob at (from its parser)."""
+        return self.parse.samples  # type: ignore[attr-defined]
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        """Every value the knob takes, for a choice or a 0/1 knob; () for the others."""
+        return getattr(self.parse, "choices", ())
+
+    def idle_value(self) -> object:
+        return self.defaults[-1].value if self.idle is None else self.idle
+
     def default_text(self, mode: str) -> str:
         """The default column of the README table for one mode (unreachable rules left out)."""
         names = {k.name for k in knobs_for(mode)}
         parts = []
         for rule in self.defaults:
-            if "mode" in rule.when and not _holds(rule.when["mode"], mode):
+            if "mode" in rule.when and not holds(rule.when["mode"], mode):
                 continue
             conditions = [key for key in rule.when if key != "mode"]
             if any(key not in names for key in conditions):
@@ -210,49 +368,49 @@ def _rules(*rules: Rule) -> tuple[Rule, ...]:
     return rules
 
 
-LOOKUP_SUBKNOBS = (
-    ("NMIN", 6, "shortest generated suffix that may match in the request's history"),
-    ("NMAX", 12, "longest suffix tried; the longest match wins, ties go to the most recent"),
-    ("NSTRONG", 6, "match length trusted on its own"),
-    ("AGREE", 0, "leading tokens the drafter must also propose before a shorter match is taken"),
-    ("NMIN_TAIL", 4, "the same bar for verify positions the drafter never proposes"),
-    ("ADAPTIVE", 1, "1: schedule the long verify block only while a copy is running; 0: always"),
-    ("LONGMIN", 6, "match length that counts as a fillable tail"),
-    ("STICKY", 3, "steps the long block is held after the flag drops (one request in flight only)"),
-    ("CHEAP_CTX", 0, "context length below which the long block is always taken (0 = off)"),
-)
-
 SINGLE = ("single",)
 BATCH = ("batch",)
+SPECULATING = ("mtp", "dflash2")
 
 KNOBS: tuple[Knob, ...] = (
     Knob("HOST", _host, _rules(Rule("127.0.0.1")),
-         "bind address; anything but loopback is refused without an API key (VLLM_API_KEY or api_key.txt)"),
+         "bind address; anything but loopback is refused without an API key (VLLM_API_KEY or api_key.txt)",
+         argv=_opt("--host")),
     Knob("PUBLISHED_ON", _text, _rules(Rule(Ref("HOST"))),
          "where the port is reachable from, if not HOST: docker-compose.yml binds 0.0.0.0 inside the container "
          "and sets this to the host address it publishes on; the API-key rule applies to it"),
-    Knob("PORT", _int(1, 65535), _rules(Rule(18020)), "HTTP port of the OpenAI-compatible API"),
+    Knob("PORT", _int(1, 65535), _rules(Rule(18020)), "HTTP port of the OpenAI-compatible API", argv=_opt("--port")),
     Knob("SPEC", _choice("mtp", "dflash2", "off"), _rules(Rule("mtp")),
          "speculative decoding: MTP head (k chained drafts), DFlash2 block drafter (7 drafts in one pass, "
-         "one-user mode: 0.88 GiB of state pages per resident request), or none", SINGLE),
+         "one-user mode: 0.88 GiB of state pages per resident request), or none", SINGLE,
+         argv=_spec_args, idle="off"),
     Knob("CTX", _choice("fast", "long", "huge"), _rules(Rule("fast")),
          "`fast`: bf16 KV, FlashAttention, 64k; `long`: 150k (MTP: fp8 KV on FlashInfer, 3 drafts; DFlash2: "
-         "int8 per-token-head KV on Triton); `huge`: KVarN 4/2-bit KV, 200-245k, needs `bash kvarn/install.sh`",
-         SINGLE),
+         "int8 per-token-head KV on Triton); `huge`: KVarN 4/2-bit KV, 200-245k (the KVarN cache is not built yet)",
+         SINGLE, argv=_kv_args),
     Knob("KV", _choice("fp8", "int4pth", "kvarn"), _rules(Rule("fp8")),
          "KV cache: `fp8`; `int4pth` = vLLM's int4 per-token-head cache on the Triton backend; `kvarn` = the "
-         "KVarN 4/2-bit cache (`bash kvarn/install.sh`)", BATCH),
+         "KVarN 4/2-bit cache (not built yet)", BATCH, argv=_kv_args),
     Knob("DFLASH_TOKENS", _int(7, 31), _rules(Rule(7)),
          "DFlash2 verify block; the drafter always proposes 7, positions past 7 are filled from the context "
          "(15 = reproduction mode: +47% when answers quote the prompt, half the seats)", SINGLE),
     Knob("DRAFT_TOKENS", _int(1, 8), _rules(
-        Rule(3, {"CTX": ("long", "huge")}, "spec: k=4 dies with an illegal memory access on FlashInfer"),
+        Limit(3, {"CTX": ("long", "huge")}, "spec: k=4 dies with an illegal memory access on FlashInfer",
+              allowed=at_most(3), checked_when={"SPEC": "mtp", "CTX": "long"},  # FlashInfer is CTX=long's backend
+              message="DRAFT_TOKENS={DRAFT_TOKENS} on CTX=long: FlashInfer's spec-decode path dies with an illegal "
+                      "memory access with 4 drafts once requests finish mid-batch (spec); set DRAFT_TOKENS=3 (or 2), "
+                      "or CTX=fast for 4 drafts"),
         Rule(4)), "MTP drafts per step; 5 and 6 are slower", SINGLE),
     Knob("MAX_SEQS", _int(1, 1024), _rules(
         Rule(64, {"mode": "batch"}),
         Rule(2, {"CTX": "huge"}, "spec: 8 seats on CTX=huge preempts (10 preemptions, 40% less work done)"),
-        Rule(4, {"SPEC": "dflash2", "DFLASH_TOKENS": Above(7)}, "spec: a 16-token block doubles the state page"),
-        Rule(8)), "requests admitted at once (not how many the pool holds: `explain` prints the seats)"),
+        Limit(4, {"SPEC": "dflash2", "DFLASH_TOKENS": Above(7)}, "spec: a 16-token block doubles the state page",
+              allowed=at_most(4),
+              message="DFLASH_TOKENS={DFLASH_TOKENS} with MAX_SEQS={MAX_SEQS}: a long verify block doubles every "
+                      "resident's state page and this boots, then dies on the first concurrent batch (spec); set "
+                      "MAX_SEQS=4 (or unset it) or DFLASH_TOKENS=7"),
+        Rule(8)), "requests admitted at once (not how many the pool holds: `explain` prints the seats)",
+        argv=_opt("--max-num-seqs")),
     Knob("DFLASH_MAX_LEN", _int(1024, 1 << 20), _rules(
         Rule(221_184, {"CTX": "huge", "DFLASH_TOKENS": Above(7)}, "spec 82bd62d: above 7 drafts 240k does not boot"),
         Rule(245_760, {"CTX": "huge"}),
@@ -266,70 +424,118 @@ KNOBS: tuple[Knob, ...] = (
         Rule(Ref("DFLASH_MAX_LEN"), {"SPEC": "dflash2"}),
         Rule(200_000, {"CTX": "huge"}),
         Rule(150_000, {"CTX": "long"}),
-        Rule(65_536)), "max-model-len: the longest prompt + answer one request may have"),
+        Rule(65_536)), "max-model-len: the longest prompt + answer one request may have",
+        argv=lambda value, v, z: ["--max-model-len", str(z.max_len)]),  # z.max_len: after KV_MEM=auto fitting
     Knob("KV_MEM", _bytes_or_auto, _rules(
         Rule(KV_MEM_PINNED_HUGE, {"mode": "single", "SPEC": "dflash2", "CTX": "huge"}),
         Rule(KV_MEM_PINNED, {"mode": "single", "SPEC": "dflash2"},
              "spec: the V2 runner's activation peak swings ~1 GiB between starts; pin the pool by bytes"),
-        Rule("")), "KV pool in bytes (`5.2GiB` works); `auto` sizes it from free VRAM; empty: from GPU_UTIL"),
+        Rule("")), "KV pool in bytes (`5.2GiB` works); `auto` sizes it from free VRAM; empty: from GPU_UTIL",
+        argv=lambda value, v, z: [] if z.kv_mem is None else ["--kv-cache-memory-bytes", str(z.kv_mem)]),
     Knob("DRAFT", _text, _rules(Rule(DFLASH2_DRAFTER)), "DFlash2 drafter dir (`prepare/fetch_dflash2.py`)",
          SINGLE),
     Knob("DRAFT_SAMPLE", _choice("probabilistic", "greedy"), _rules(Rule("probabilistic")),
          "MTP draft sampling; `greedy` is the same at T=0 and ~15% slower at T>0", SINGLE),
-    Knob("LOOKUP", _flag, _rules(Rule(1)),
-         "SPEC=dflash2: draft from the request's own context and fill the verify positions past the "
-         "drafter's 7 (sub-knobs: VLLM_DFLASH2_LOOKUP_*)", SINGLE, env="VLLM_DFLASH2_LOOKUP"),
-    *(Knob(f"VLLM_DFLASH2_LOOKUP_{name}", _int(0, 1 << 20), _rules(Rule(value)), doc, SINGLE,
-           env=f"VLLM_DFLASH2_LOOKUP_{name}") for name, value, doc in LOOKUP_SUBKNOBS),
-    Knob("SPEC_ATTN", _flag, _rules(Rule(1, {"CTX": "fast"}), Rule(0)),
+    Knob("SPEC_ATTN", _bit, _rules(Rule(1, {"CTX": "fast"}), Rule(0)),
          "split-KV Triton attention for the multi-query verify step (FlashAttention backend)", SINGLE,
-         env="VLLM_SPEC_DECODE_ATTN"),
-    Knob("MTP_DRAFT_VOCAB", _flag, _rules(Rule(1)),
+         export=Export("VLLM_SPEC_DECODE_ATTN", {"SPEC": SPECULATING, "SPEC_ATTN": 1})),
+    Knob("MTP_DRAFT_VOCAB", _bit, _rules(Rule(1)),
          "SPEC=mtp: draft over the 40k-token head built by prepare/build_draft_vocab.py; 0 = full lm_head",
-         SINGLE, env="VLLM_MTP_DRAFT_VOCAB"),
-    Knob("PREFIX_CACHE", _flag, _rules(Rule(1)),
+         SINGLE, export=Export("VLLM_MTP_DRAFT_VOCAB", {"SPEC": "mtp"})),
+    Knob("PREFIX_CACHE", _bit, _rules(Rule(1)),
          "hybrid prefix caching (`--enable-prefix-caching --mamba-cache-mode align`): 20x faster follow-up "
-         "turns, one more state page per request; 0 passes `--no-enable-prefix-caching`"),
+         "turns, one more state page per request; 0 passes `--no-enable-prefix-caching`",
+         # vLLM 0.28.0 turns prefix caching on for hybrids unless told not to
+         argv=_switch(["--enable-prefix-caching", "--mamba-cache-mode", "align"], ["--no-enable-prefix-caching"])),
     Knob("INT8_ACT", _choice("int8", "off"), _rules(Rule("int8", {"mode": "batch"}), Rule("off")),
          "W4A8: int8 activations on int8 tensor cores for the layers INT8_LAYERS selects",
-         env="VLLM_MARLIN_INPUT_DTYPE"),
+         export=Export("VLLM_MARLIN_INPUT_DTYPE", {"INT8_ACT": "int8"})),
     Knob("INT8_LAYERS", _regex, _rules(Rule("mlp", {"mode": "batch"}), Rule("mlp|linear_attn|self_attn")),
          "regex over layer names that get int8 activations; `.` = all (batch: needs GPU_UTIL 0.95); "
-         "`mlp|linear_attn` crashes inductor on this pin", env="VLLM_MARLIN_INT8_INCLUDE_RE"),
+         "`mlp|linear_attn` crashes inductor on this pin", export=Export("VLLM_MARLIN_INT8_INCLUDE_RE", {"INT8_ACT": "int8"})),
     Knob("PREFILL_ATTN", _choice("int8", "off"), _rules(Rule("off")),
          "int8-QK prefill attention for single-request chunks; pair it with INT8_ACT=int8", SINGLE,
-         env="VLLM_PREFILL_INT8_ATTN"),
+         export=Export("VLLM_PREFILL_INT8_ATTN", {"PREFILL_ATTN": "int8"}, lambda value: "1")),
     Knob("GPU_UTIL", _fraction, _rules(
-        Rule(0.95, {"mode": "batch", "INT8_LAYERS": "."}, "spec: all-layer int8 needs GPU_UTIL=0.95"),
+        Limit(0.95, {"mode": "batch", "INT8_LAYERS": "."}, "spec: all-layer int8 needs GPU_UTIL=0.95",
+              allowed=at_most(0.95), warn=True,
+              message="INT8_LAYERS=. needs GPU_UTIL<=0.95 (spec), GPU_UTIL={GPU_UTIL} may not boot"),
         Rule(0.972, {"mode": "batch"}),
-        Rule(0.93)), "--gpu-memory-utilization when KV_MEM is empty; batch's 0.972 OOMs the MTP path"),
+        Rule(0.93)), "--gpu-memory-utilization when KV_MEM is empty; batch's 0.972 OOMs the MTP path",
+        argv=lambda value, v, z: [] if z.kv_mem is not None else ["--gpu-memory-utilization", str(value)]),
     Knob("STATE_DTYPE", _choice("float16", "bfloat16", "float32"), _rules(Rule("float16")),
-         "GDN recurrent-state dtype: float16 halves the state (spec: 37 -> 64 resident requests)"),
-    Knob("TOOLS", _flag, _rules(Rule(1)), "tool calling (`--enable-auto-tool-choice`); 0 = off"),
+         "GDN recurrent-state dtype: float16 halves the state (spec: 37 -> 64 resident requests)",
+         argv=_opt("--mamba-ssm-cache-dtype")),
+    Knob("TOOLS", _bit, _rules(Rule(1)), "tool calling (`--enable-auto-tool-choice`); 0 = off",
+         argv=lambda value, v, z: ["--enable-auto-tool-choice", "--tool-call-parser", v.tool_parser] if value else []),
     Knob("TOOL_PARSER", _text, _rules(Rule("qwen3_coder")),
          "must read the XML calls this model's template emits; `hermes` reads JSON and fails silently"),
-    Knob("VISION", _flag, _rules(Rule(0)),
-         "1 keeps the vision tower (0.858 GiB) instead of `--language-model-only`; one image per prompt"),
-    Knob("VISION_OFFLOAD", _flag, _rules(Rule(1)),
-         "VISION=1: keep the tower in pinned host RAM, copy each module in for its forward (SPEC=dflash2 "
-         "VISION=1 does not boot on 24 GB without it)", env="VLLM_VISION_CPU_OFFLOAD"),
-    Knob("REQ_METRICS", _flag, _rules(Rule(0)),
-         "1 = `--enable-per-request-metrics --enable-force-include-usage` (not with --disable-log-stats)"),
-    Knob("API_SERVERS", _int(1, 64), _rules(Rule(1)), "--api-server-count: HTTP front-end processes"),
-    Knob("ASYNC_SCHED", _flag, _rules(
-        Rule(0, {"SPEC": "dflash2"}, "the verify-block length feeds back to the scheduler on the sync path only"),
-        Rule(1)), "async scheduling"),
+    Knob("VISION", _bit, _rules(Rule(0)),
+         "1 keeps the vision tower (0.858 GiB) instead of `--language-model-only`; one image per prompt",
+         argv=_switch(["--limit-mm-per-prompt", json.dumps({"image": 1}),
+                       "--mm-processor-kwargs", json.dumps({"max_pixels": VISION_MAX_PIXELS})],
+                      ["--language-model-only"])),
+    Knob("REQ_METRICS", _bit, _rules(Rule(0)),
+         "1 = `--enable-per-request-metrics --enable-force-include-usage` (not with --disable-log-stats)",
+         argv=_switch(["--enable-per-request-metrics", "--enable-force-include-usage"])),
+    Knob("API_SERVERS", _int(1, 64), _rules(Rule(1)), "--api-server-count: HTTP front-end processes",
+         argv=_opt("--api-server-count", unless=1)),
+    Knob("ASYNC_SCHED", _bit, _rules(
+        Limit(0, {"SPEC": "dflash2"}, "the verify-block length feeds back to the scheduler on the sync path only",
+              allowed=(0,),
+              message="ASYNC_SCHED=1 with SPEC=dflash2: the verify-block length reaches the scheduler only "
+                      "on the synchronous path; unset ASYNC_SCHED"),
+        Rule(1)), "async scheduling", argv=_switch(["--async-scheduling"], ["--no-async-scheduling"])),
     Knob("CUDAGRAPH_MODE", _choice("auto", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "NONE"),
-         _rules(Rule("PIECEWISE", {"SPEC": "mtp", "CTX": "huge"},
-                     "spec: under FULL one prompt length in 128 comes back corrupted on a prefix-cache hit"),
-                Rule("auto")), "CUDA-graph capture mode; `auto` leaves it to vLLM"),
+         _rules(Limit("PIECEWISE", {"SPEC": "mtp", "CTX": "huge"},
+                      "spec: under FULL one prompt length in 128 comes back corrupted on a prefix-cache hit",
+                      allowed=("PIECEWISE", "NONE"), warn=True,
+                      message="CUDAGRAPH_MODE={CUDAGRAPH_MODE} with SPEC=mtp CTX=huge is unsafe: under FULL "
+                              "capture one prompt length in 128 comes back corrupted on a prefix-cache hit (spec)"),
+                Rule("auto")), "CUDA-graph capture mode; `auto` leaves it to vLLM",
+         argv=lambda value, v, z: [] if value == "auto" else ["--compilation-config",
+                                                             json.dumps({"cudagraph_mode": value})]),
     Knob("GDN_PREFILL", _choice("auto", "triton", "flashinfer", "cutedsl"), _rules(Rule("auto")),
-         "--gdn-prefill-backend; `triton` where FlashInfer is not installed (sm90 picks FlashInfer)"),
+         "--gdn-prefill-backend; `triton` where FlashInfer is not installed (sm90 picks FlashInfer)",
+         argv=_opt("--gdn-prefill-backend", unless="auto")),
     Knob("MODEL", _text, _rules(
         Rule("auto", {"mode": "single"}),
-        Rule(BASE_MODEL)), f"checkpoint dir; single `auto` = `{FAST_MODEL}` if present, else `{BASE_MODEL}`"),
-    Knob("EXTRA_ARGS", _args, _rules(Rule("")), "appended to the vllm argv as is (e.g. `--tensor-parallel-size 2`)"),
+        Rule(BASE_MODEL)), f"checkpoint dir; single `auto` = `{FAST_MODEL}` if present, else `{BASE_MODEL}`",
+        argv=lambda value, v, z: [z.model, "--served-model-name", SERVED_NAME]),  # z.model: `auto` resolved
+    Knob("EXTRA_ARGS", _args, _rules(Rule("")), "appended to the vllm argv as is (e.g. `--tensor-parallel-size 2`)",
+         argv=lambda value, v, z: shlex.split(value)),
 )
+
+# Cross-knob refusals and warnings not tied to one default (each Limit above is one too).
+CHECKS: tuple[Check, ...] = (
+    Check({"EXTRA_ARGS": HasArg("--api-key")},
+          "EXTRA_ARGS carries --api-key, which every user of this machine can read in the process list; "
+          f"set VLLM_API_KEY or write it to {API_KEY_FILE} instead"),
+    Check({"REQ_METRICS": 1, "EXTRA_ARGS": HasArg("--disable-log-stats")},
+          "REQ_METRICS=1 needs vLLM's stats logging, and EXTRA_ARGS has --disable-log-stats; drop one"),
+    Check({"INT8_ACT": "int8", "INT8_LAYERS": Alternatives(frozenset({"mlp", "linear_attn"}))},
+          "INT8_LAYERS={INT8_LAYERS} crashes inductor at the first forward on this pin; use "
+          "INT8_LAYERS=mlp or INT8_LAYERS='mlp|linear_attn|self_attn'"),
+    Check({"INT8_ACT": "off", "INT8_LAYERS": SET},
+          "INT8_LAYERS is set but INT8_ACT=off; set INT8_ACT=int8 for it to apply", warn=True),
+    Check({"TOOLS": 1, "TOOL_PARSER": "hermes"},
+          "TOOL_PARSER=hermes reads JSON calls; this model's template emits XML (qwen3_coder)", warn=True),
+    Check({"SPEC": "dflash2", "DRAFT_TOKENS": SET},
+          "DRAFT_TOKENS is MTP's depth; with SPEC=dflash2 set DFLASH_TOKENS", warn=True),
+    Check({"SPEC": "dflash2", "VISION": 1},
+          "SPEC=dflash2 VISION=1 does not boot on a 24 GB card without offloading the vision tower, "
+          "which is not built yet (spec)", warn=True),
+    Check({"mode": "single", "PREFILL_ATTN": "int8", "INT8_ACT": Not("int8")},
+          "PREFILL_ATTN=int8 alone is noise-to-slightly-positive (spec); pair it with INT8_ACT=int8", warn=True),
+)
+
+# The order knobs render in: vLLM takes its flags in any order, this one keeps `--dry-run` output stable.
+# BATCHED_TOKENS is the mode's own --max-num-batched-tokens (Sized.batched_tokens), not a knob.
+BATCHED_TOKENS = "--max-num-batched-tokens"
+RENDER_ORDER = ("MODEL", "HOST", "PORT", "MAX_SEQS", "MAX_LEN", "STATE_DTYPE", "CTX", "KV", "KV_MEM", "GPU_UTIL",
+                "PREFIX_CACHE", "SPEC", "ASYNC_SCHED", "CUDAGRAPH_MODE", BATCHED_TOKENS, "TOOLS", "VISION",
+                "REQ_METRICS", "API_SERVERS", "GDN_PREFILL", "EXTRA_ARGS",
+                "INT8_ACT", "INT8_LAYERS", "SPEC_ATTN", "MTP_DRAFT_VOCAB", "PREFILL_ATTN")
 
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 SECRET_ENV = "VLLM_API_KEY"
@@ -365,6 +571,111 @@ def resolve(mode: str, env: Mapping[str, str]) -> dict[str, Setting]:
             out[knob.name] = Setting(value, "default", rule)
         values[knob.name] = value
     return out
+
+
+@dataclass(frozen=True)
+class Values:
+    """Every knob's resolved value, typed, one field per knob (its name in lower case). A knob the mode
+    does not offer holds its idle value (SPEC=off in batch mode)."""
+
+    mode: str
+    explicit: frozenset[str]  # the knobs set in the environment
+    host: str
+    published_on: str
+    port: int
+    spec: str
+    ctx: str
+    kv: str
+    dflash_tokens: int
+    draft_tokens: int
+    max_seqs: int
+    dflash_max_len: int
+    max_len: int
+    kv_mem: int | str
+    draft: str
+    draft_sample: str
+    spec_attn: int
+    mtp_draft_vocab: int
+    prefix_cache: int
+    int8_act: str
+    int8_layers: str
+    prefill_attn: str
+    gpu_util: float
+    state_dtype: str
+    tools: int
+    tool_parser: str
+    vision: int
+    req_metrics: int
+    api_servers: int
+    async_sched: int
+    cudagraph_mode: str
+    gdn_prefill: str
+    model: str
+    extra_args: str
+
+    @classmethod
+    def of(cls, mode: str, settings: Mapping[str, Setting]) -> Values:
+        values = {k.name.lower(): settings[k.name].value if k.name in settings else k.idle_value() for k in KNOBS}
+        explicit = frozenset(name for name, s in settings.items() if s.source == "env")
+        return cls(mode=mode, explicit=explicit, **values)
+
+    def by_name(self) -> dict[str, object]:
+        return {k.name: getattr(self, k.name.lower()) for k in KNOBS}
+
+
+def checks() -> tuple[Check, ...]:
+    """Every cross-knob refusal and warning: each Limit's, then CHECKS."""
+    limits = tuple(rule.check(k.name) for k in KNOBS for rule in k.defaults if isinstance(rule, Limit))
+    return limits + CHECKS
+
+
+def violations(v: Values) -> tuple[list[str], list[str]]:
+    """(refusals, warnings) that the knob values alone call for, messages formatted."""
+    values = {name: value for name, value in v.by_name().items() if v.mode in BY_NAME[name].modes}
+    refusals: list[str] = []
+    warnings: list[str] = []
+    for check in checks():
+        if check.applies(v.mode, values, v.explicit):
+            (warnings if check.warn else refusals).append(check.message.format_map(values))
+    return refusals, warnings
+
+
+def kv_layout(v: Values) -> tuple[str, str, str]:
+    """(--kv-cache-dtype, --attention-backend or "", why) from KV (batch) or CTX and SPEC (single)."""
+    if v.mode == "batch":
+        return {"fp8": ("fp8", "", "KV=fp8"),
+                "int4pth": ("int4_per_token_head", "TRITON_ATTN", "KV=int4pth: vLLM's per-token-head int4"),
+                "kvarn": (HUGE_KV, "", "KV=kvarn")}[v.kv]
+    if v.ctx == "huge":
+        return HUGE_KV, "", "CTX=huge: KVarN 4/2-bit"
+    if v.ctx == "long" and v.spec == "dflash2":
+        return "int8_per_token_head", "TRITON_ATTN", "CTX=long with SPEC=dflash2: int8 per-token-head on Triton"
+    if v.ctx == "long":
+        return "fp8", "FLASHINFER", "CTX=long: fp8 KV, which needs FlashInfer on Ampere"
+    return "auto", "FLASH_ATTN", "CTX=fast: bf16 KV on FlashAttention (the split-KV verify patch hooks it)"
+
+
+def render(v: Values, z: Sized) -> tuple[list[str], dict[str, str]]:
+    """The `vllm serve` argv and the exported variables, each knob rendering itself in RENDER_ORDER."""
+    argv, env = ["vllm", "serve"], {}
+    values = v.by_name()
+    for name in RENDER_ORDER:
+        if name == BATCHED_TOKENS:
+            argv += [BATCHED_TOKENS, str(z.batched_tokens)] if z.batched_tokens is not None else []
+            continue
+        knob = BY_NAME[name]
+        if v.mode not in knob.modes:
+            continue
+        if knob.argv:
+            argv += knob.argv(values[name], v, z)
+        if knob.export and all(holds(want, values[key]) for key, want in knob.export.when.items()):
+            env[knob.export.var] = knob.export.text(values[name])
+    return argv, env
+
+
+def exported_vars() -> frozenset[str]:
+    """Every variable a knob can export."""
+    return frozenset(k.export.var for k in KNOBS if k.export)
 
 
 def _cell(text: str) -> str:

@@ -20,50 +20,26 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from . import model
 from .engine import kv_groups
 
 GiB = 1 << 30
 MiB = 1 << 20
 
-# ---- architecture (Qwen3.8-27B text model; the synthetic `shape` checkpoint uses the same) ----
-ATTN_LAYERS = 16  # full attention, every 4th layer
-GDN_LAYERS = 48  # Gated DeltaNet
-HIDDEN = 5120
-INTERMEDIATE = 17408
-VOCAB = 248_320
-Q_HEADS = 24
-KV_HEADS = 4
-HEAD_DIM = 256
-GDN_K_HEADS = 16
-GDN_V_HEADS = 48
-GDN_HEAD_DIM = 128
-CONV_KERNEL = 4
-CONV_DIM = 2 * GDN_K_HEADS * GDN_HEAD_DIM + GDN_V_HEADS * GDN_HEAD_DIM  # q, k and v go through the conv
-MTP_ATTN_LAYERS = 1  # the MTP module is one full transformer layer; its KV joins the target's
-
-# The DFlash2 drafter: 5 Qwen3-style sliding-window layers. Its 8 KV heads x 128 give the same
-# bytes per token as the target's 4 x 256, so its pages line up with the target's (taken from
-# the design probe ../shared/design/cpu-venv/kvgroups.py, not read from the checkpoint).
-DRAFTER_LAYERS = 5
-DRAFTER_KV_HEADS = 8
-DRAFTER_HEAD_DIM = 128
-DRAFTER_WINDOW = 2048
 DFLASH2_DRAFTER_BYTES = 1.19e9  # spec: W4A16 requantized drafter, 1.19 GB
 
 KERNEL_BLOCK_ALIGNMENT = 16  # FlashAttention, FlashInfer and Triton all take multiples of 16 on sm86
 PREFILL_CHUNK = 2048  # --max-num-batched-tokens in single-user mode (spec: larger chunks do not boot)
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
 KvDtype = Literal["auto", "fp8", "int8_per_token_head", "int4_per_token_head", "kvarn"]
 
 
-def kv_bytes_per_token_layer(kv_dtype: str, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> int:
+def kv_bytes_per_token_layer(kv_dtype: str, kv_heads: int = model.KV_HEADS, head_dim: int = model.HEAD_DIM) -> int:
     """Bytes one token occupies in one attention layer (K and V)."""
-    if kv_dtype in ("auto", "bfloat16", "float16"):
-        return kv_heads * 2 * head_dim * 2
-    if kv_dtype == "fp8":
-        return kv_heads * 2 * head_dim
+    if kv_dtype == "auto":
+        kv_dtype = model.DTYPE
+    if kv_dtype in ("bfloat16", "float16", "fp8"):
+        return kv_heads * 2 * head_dim * model.DTYPE_BYTES[kv_dtype]
     if kv_dtype == "int8_per_token_head":  # int8 data + one fp32 scale per head for K and for V
         return kv_heads * (2 * head_dim + 2 * 4)
     if kv_dtype == "int4_per_token_head":  # two int4 per byte + the same fp32 scales
@@ -71,19 +47,16 @@ def kv_bytes_per_token_layer(kv_dtype: str, kv_heads: int = KV_HEADS, head_dim: 
     raise ValueError(f"no page layout known for kv cache dtype {kv_dtype!r}")
 
 
-def gdn_state_bytes_per_layer(state_dtype: str = "float16", spec_tokens: int = 0, conv_dtype: str = "bfloat16") -> int:
-    """One request's recurrent state in one GDN layer: the delta-rule matrix plus the conv tail.
-
-    vLLM 0.28.0 keeps k more conv rows when speculating (qwen3_5.py passes num_spec to the shape).
-    """
-    ssm = GDN_V_HEADS * GDN_HEAD_DIM * GDN_HEAD_DIM * DTYPE_BYTES[state_dtype]
-    conv = (CONV_KERNEL - 1 + spec_tokens) * CONV_DIM * DTYPE_BYTES[conv_dtype]
-    return ssm + conv
+def gdn_state_bytes_per_layer(state_dtype: str = "float16", spec_tokens: int = 0, conv_dtype: str = model.DTYPE) -> int:
+    """One request's recurrent state in one GDN layer: the delta-rule matrix plus the conv tail
+    (with k more conv rows when speculating: model.gdn_state_shapes)."""
+    conv, ssm = model.gdn_state_shapes(spec_tokens)
+    return math.prod(ssm) * model.DTYPE_BYTES[state_dtype] + math.prod(conv) * model.DTYPE_BYTES[conv_dtype]
 
 
 def gdn_state_bytes(state_dtype: str = "float16", spec_tokens: int = 0) -> int:
     """One request's recurrent state over all 48 GDN layers (unpadded)."""
-    return GDN_LAYERS * gdn_state_bytes_per_layer(state_dtype, spec_tokens)
+    return model.GDN_LAYERS * gdn_state_bytes_per_layer(state_dtype, spec_tokens)
 
 
 @dataclass(frozen=True)
@@ -116,10 +89,10 @@ class CacheShape:
     @property
     def buckets(self) -> dict[str, int]:
         """Layers per cache kind, as vLLM groups them."""
-        attn = ATTN_LAYERS + (MTP_ATTN_LAYERS if self.spec == "mtp" else 0)
-        out = {"attention": attn, "gdn": GDN_LAYERS}
+        attn = model.ATTN_LAYERS + (model.MTP_LAYERS if self.spec == "mtp" else 0)
+        out = {"attention": attn, "gdn": model.GDN_LAYERS}
         if self.spec == "dflash2":
-            out["window"] = DRAFTER_LAYERS
+            out["window"] = model.DRAFTER_LAYERS
         return out
 
     @property
@@ -147,7 +120,7 @@ class CacheShape:
     def window_blocks(self) -> int:
         """Blocks a window group keeps per request (vLLM's admission cap for sliding windows)."""
         in_flight = (2 if self.async_scheduling else 1) * self.max_num_batched_tokens
-        return math.ceil((DRAFTER_WINDOW - 1 + in_flight) / self.block_size) + 1
+        return math.ceil((model.DRAFTER_WINDOW - 1 + in_flight) / self.block_size) + 1
 
     def resident_blocks(self) -> int:
         """Blocks a request holds before it stores one token: state pages (+ the drafter's window)."""
@@ -205,28 +178,29 @@ class CacheShape:
         tokens = prompt + answer + self.spec_tokens
         per = self.context_blocks(tokens) + self.groups["gdn"] * self.state_blocks_per_group
         if "window" in self.groups:
-            decode_cap = math.ceil((DRAFTER_WINDOW - 1 + self.spec_tokens + 1) / self.block_size) + 1
+            decode_cap = math.ceil((model.DRAFTER_WINDOW - 1 + self.spec_tokens + 1) / self.block_size) + 1
             per += self.groups["window"] * min(decode_cap, math.ceil(tokens / self.block_size) + 1)
         return usable // per
 
 
 # ---- weights ----
 def _linear_params() -> dict[str, int]:
-    mlp = 3 * HIDDEN * INTERMEDIATE
-    attn = HIDDEN * (Q_HEADS * HEAD_DIM * 2) + 2 * HIDDEN * KV_HEADS * HEAD_DIM + Q_HEADS * HEAD_DIM * HIDDEN
-    key_dim, value_dim = GDN_K_HEADS * GDN_HEAD_DIM, GDN_V_HEADS * GDN_HEAD_DIM
-    gdn = HIDDEN * (2 * key_dim + 2 * value_dim) + HIDDEN * 2 * GDN_V_HEADS + value_dim * HIDDEN
+    hidden, q_dim, kv_dim = model.HIDDEN, model.Q_HEADS * model.HEAD_DIM, model.KV_HEADS * model.HEAD_DIM
+    mlp = 3 * hidden * model.INTERMEDIATE
+    attn = hidden * q_dim * 2 + 2 * hidden * kv_dim + q_dim * hidden  # q_proj also emits the output gate
+    # in_proj_qkv, in_proj_z, in_proj_b and in_proj_a (one per value head each), out_proj
+    gdn = hidden * (model.CONV_DIM + model.GDN_VALUE_DIM) + hidden * 2 * model.GDN_V_HEADS + model.GDN_VALUE_DIM * hidden
     return {"mlp": mlp, "attn": attn, "gdn": gdn}
 
 
 def body_params() -> int:
     p = _linear_params()
-    return ATTN_LAYERS * (p["mlp"] + p["attn"]) + GDN_LAYERS * (p["mlp"] + p["gdn"])
+    return model.ATTN_LAYERS * (p["mlp"] + p["attn"]) + model.GDN_LAYERS * (p["mlp"] + p["gdn"])
 
 
 def mtp_params() -> int:
     p = _linear_params()
-    return p["mlp"] + p["attn"] + 2 * HIDDEN * HIDDEN  # one layer plus the fc that joins two hidden states
+    return p["mlp"] + p["attn"] + 2 * model.HIDDEN * model.HIDDEN  # one layer plus the fc that joins two hidden states
 
 
 def int_bytes(params: int, bits: int, group: int = 128) -> float:
@@ -239,7 +213,7 @@ VISION_TOWER_BYTES = 0.858 * GiB  # spec figure: the BF16 vision tower of this c
 
 def weights_bytes(spec: str = "mtp", fast_variant: bool = True, vision: bool = False) -> float:
     """GPU bytes of the served weights after prepare/ (int8 embed; int8 or GPTQ-int4 lm_head)."""
-    table = VOCAB * HIDDEN
+    table = model.VOCAB * model.HIDDEN
     total = int_bytes(body_params(), 4) + int_bytes(table, 8)  # body + embed_tokens
     total += int_bytes(table, 4 if fast_variant else 8)  # lm_head
     if spec == "mtp":

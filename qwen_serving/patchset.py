@@ -183,7 +183,8 @@ class Stage:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _all_files(patches: list[Patch]) -> list[str]:
+def series_files(patches: list[Patch]) -> list[str]:
+    """Every file the series touches, each once, in the order the patches first touch them."""
     files: list[str] = []
     for patch in patches:
         files += [f for f in patch.files if f not in files]
@@ -250,7 +251,7 @@ def _write_back(vllm_dir: Path, wanted: dict[str, bytes | None]) -> list[str]:
 @contextlib.contextmanager
 def _evaluated(vllm_dir: Path, patches: list[Patch]):
     """Stage the series' files, evaluate every patch; yields (stage fully applied, states, base snapshot)."""
-    stage = Stage(vllm_dir, _all_files(patches))
+    stage = Stage(vllm_dir, series_files(patches))
     try:
         result, base = _evaluate(stage, patches)
         yield stage, result, base

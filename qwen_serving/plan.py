@@ -26,17 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import knobs, memory
-from .knobs import BASE_MODEL, FAST_MODEL, KNOBS, KnobError, Setting
+from .checkpoint import step_names
+from .knobs import API_KEY_FILE, BASE_MODEL, FAST_MODEL, HUGE_KV, KNOBS, KnobError, Setting, Sized, Values
 
 REPO = Path(__file__).resolve().parents[1]
-SERVED_NAME = "qwen3.8-27b"
 VENV_PYTHON = "venv/bin/python"
-API_KEY_FILE = "api_key.txt"
-VISION_MAX_PIXELS = 2048 * 32 * 32  # 2048 image tokens of 32x32 pixels (16-pixel patches, 2x2 merge)
-HUGE_KV = "kvarn"  # the long-context cache dtype CTX=huge and KV=kvarn ask for (added by kvarn/install.sh)
-# VLLM_* names our patches read beside the knobs' own (for the misspelling check).
-PATCH_ENV = ("VLLM_DFLASH2_DRAFT_TOPK_TOPP", "VLLM_DFLASH2_TORCH_TOPK", "VLLM_V2_CUDAGRAPH_MEM_MIB",
-             "VLLM_VISION_CPU_OFFLOAD_GB", "VLLM_MARLIN_TUNE", "VLLM_SMALL_TOPK_SAMPLER")
+# VLLM_* names our patches read beside the knobs' own (for the misspelling check;
+# tests/test_knob_effects.py checks that a patch reads each).
+PATCH_ENV = ("VLLM_V2_CUDAGRAPH_MEM_MIB", "VLLM_SMALL_TOPK_SAMPLER")
+WSL2_PIN_MEMORY = "VLLM_WSL2_ENABLE_PIN_MEMORY"  # exported by the plan itself on WSL2 for SPEC=dflash2
 # vLLM names this module refers to, for when no vllm is installed to read the full list from.
 KNOWN_VLLM_ENV = ("VLLM_API_KEY", "VLLM_WSL2_ENABLE_PIN_MEMORY", "VLLM_USE_FLASHINFER_SAMPLER",
                   "VLLM_DISABLED_KERNELS", "VLLM_FLASH_ATTN_VERSION", "VLLM_TARGET_DEVICE")
@@ -107,15 +105,19 @@ def _dict_keys(path: Path, pattern: str) -> frozenset[str]:
         return frozenset()
 
 
+# Run by the serving venv's python in a child process: this module stays standard library only.
+_TORCH_VRAM = ("import torch; assert torch.cuda.is_available(); "
+               "print(*torch.cuda.mem_get_info(0))")
+
+
 def read_vram() -> tuple[int | None, int | None, str]:
     """Free and total bytes of GPU 0: torch if it sees CUDA, else nvidia-smi, else (None, None, why)."""
     try:
-        import torch
-
-        if torch.cuda.is_available():
-            free, total = torch.cuda.mem_get_info(0)
-            return int(free), int(total), "torch.cuda.mem_get_info"
-    except Exception:  # torch absent or broken: fall through to nvidia-smi
+        out = subprocess.run([sys.executable, "-c", _TORCH_VRAM], capture_output=True, text=True, timeout=120,
+                             check=True).stdout
+        free, total = (int(x) for x in out.split())
+        return free, total, "torch.cuda.mem_get_info"
+    except (OSError, subprocess.SubprocessError, ValueError):  # no torch, or no CUDA: ask nvidia-smi
         pass
     smi = shutil.which("nvidia-smi")
     if smi:
@@ -185,7 +187,7 @@ def _api_key(env: Mapping[str, str], repo: Path) -> tuple[str, str]:
 
 def misspelt(env: Mapping[str, str], mode: str, probe: Probe) -> list[str]:
     """Warnings for set variables that are not ours or vLLM's but look like one of them."""
-    ours = {k.name for k in KNOBS} | {k.env for k in KNOBS if k.env}
+    ours = {k.name for k in KNOBS} | knobs.exported_vars()
     known = ours | set(probe.vllm_env) | set(PATCH_ENV) | {"VLLM_API_KEY"}
     out = []
     for name in sorted(env):
@@ -200,7 +202,7 @@ def misspelt(env: Mapping[str, str], mode: str, probe: Probe) -> list[str]:
     return out
 
 
-def _first_start_steps(mode: str, s: Mapping[str, object], model: str, probe: Probe) -> list[Step]:
+def _first_start_steps(v: Values, model: str, probe: Probe) -> list[Step]:
     repo, py = probe.repo, VENV_PYTHON
     steps = []
     if not probe.vllm_installed:
@@ -210,16 +212,16 @@ def _first_start_steps(mode: str, s: Mapping[str, object], model: str, probe: Pr
         done = _manifest_steps(base)
         if not (base / "config.json").is_file():
             steps.append(Step("download the W4A16 checkpoint (~19.5 GB, resumable)", f"{py} prepare/download.py"))
-        for name, what in (("quant_lm_head", "lm_head to int8"), ("quant_embed", "embed_tokens to int8"),
-                           ("quant_mtp", "the MTP module to int8")):
+        for name, what in ((step_names.QUANT_LM_HEAD, "lm_head to int8"), (step_names.QUANT_EMBED, "embed_tokens to int8"),
+                           (step_names.QUANT_MTP, "the MTP module to int8")):
             if name not in done:
                 steps.append(Step(f"requantize {what} (CPU, minutes)", f"{py} prepare/{name}.py {BASE_MODEL}"))
-        if mode == "single" and "build_draft_vocab" not in done:
+        if v.mode == "single" and step_names.DRAFT_VOCAB not in done:
             steps.append(Step("build the 40k-token MTP draft head",
                               f"{py} prepare/build_draft_vocab.py {BASE_MODEL} --ids prepare/draft_vocab_ids.json"))
-        if mode == "single" and not (repo / FAST_MODEL / "config.json").is_file():
+        if v.mode == "single" and not (repo / FAST_MODEL / "config.json").is_file():
             steps.append(Step("fetch the fast variant (~1 GB: int4 lm_head + MTP)", f"{py} prepare/fetch_fast_variant.py"))
-    if s.get("SPEC") == "dflash2" and s.get("DRAFT") == knobs.DFLASH2_DRAFTER:
+    if v.spec == "dflash2" and v.draft == knobs.DFLASH2_DRAFTER:
         if not (repo / knobs.DFLASH2_DRAFTER / "config.json").is_file():
             steps.append(Step("fetch the W4A16 DFlash2 drafter (1.2 GB)", f"{py} prepare/fetch_dflash2.py"))
     return steps
@@ -241,120 +243,107 @@ def _manifest_steps(model_dir: Path) -> set[str]:
 
 
 def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require_files: bool = False) -> ServePlan:
-    """Resolve knobs, validate, derive the argv and the exports. Raises PlanError on a refusal."""
+    """Resolve the knobs, check them, size the pool, render the argv and the exports. Raises PlanError on a refusal."""
     probe = probe or Probe.detect()
     try:
         settings = knobs.resolve(mode, env)
     except KnobError as e:
         raise PlanError(str(e)) from None
-    s = {k: v.value for k, v in settings.items()}
-    explicit = {k for k, v in settings.items() if v.source == "env"}
-    notes, warnings = [], misspelt(env, mode, probe)
-    derived: list[Derived] = []
+    v = Values.of(mode, settings)
+    notes, warnings, derived = _default_notes(settings), misspelt(env, mode, probe), []
+    model = _model_dir(v, probe, require_files, notes, derived)
+    missing = _first_start_steps(v, model, probe)
+    key, key_source = _api_key(env, probe.repo)
+    warnings += _check(v, probe, key, require_files, notes)
+    sized, cache, weights = _size_pool(v, model, probe, notes, derived)
+    argv, out_env = knobs.render(v, sized)
+    if v.spec == "dflash2" and probe.wsl2 and env.get(WSL2_PIN_MEMORY) != "1":
+        out_env[WSL2_PIN_MEMORY] = "1"
+        notes.append(f"{WSL2_PIN_MEMORY}=1 because this is WSL2 and SPEC=dflash2 (the V2 runner "
+                     "allocates UVA buffers, which need pinned memory)")
+    secret = {knobs.SECRET_ENV: key} if key_source == API_KEY_FILE else {}
+    if cache:
+        derived += _cache_lines(cache, v, sized)
+    derived.append(Derived("weights on GPU", _gib(weights), "memory model (int4 body, int8 embed, prepared heads)"))
+    return ServePlan(mode, settings, tuple(argv), out_env, secret, key_source, tuple(notes), tuple(warnings),
+                     tuple(derived), tuple(missing), cache, sized.kv_mem)
 
-    def note_defaults() -> None:
-        for name, setting in settings.items():
-            if setting.source == "default" and setting.rule is not None and setting.rule.when:
-                cond = setting.rule.describe()
-                if cond:
-                    why = f": {setting.rule.why}" if setting.rule.why else ""
-                    notes.append(f"{name}={setting.value} because {cond}{why}")
 
-    note_defaults()
-    spec = s.get("SPEC", "off")
-    ctx = s.get("CTX", "fast")
+def _default_notes(settings: Mapping[str, Setting]) -> list[str]:
+    """One note per default that a condition picked (every automatic adjustment is printed)."""
+    notes = []
+    for name, setting in settings.items():
+        if setting.source == "default" and setting.rule is not None and setting.rule.describe():
+            why = f": {setting.rule.why}" if setting.rule.why else ""
+            notes.append(f"{name}={setting.value} because {setting.rule.describe()}{why}")
+    return notes
 
-    # ---- model dir ----
-    model = s["MODEL"]
+
+def _model_dir(v: Values, probe: Probe, require_files: bool, notes: list[str], derived: list[Derived]) -> str:
+    model = v.model
     if model == "auto":
         model = FAST_MODEL if (probe.repo / FAST_MODEL / "config.json").is_file() else BASE_MODEL
         if model == BASE_MODEL:
             notes.append(f"MODEL={BASE_MODEL}: the fast variant is not there yet (prepare/fetch_fast_variant.py)")
         derived.append(Derived("MODEL", model, "single: the fast variant if present, else the base requantization"))
-    missing = _first_start_steps(mode, s, model, probe)
-    if "MODEL" in explicit and not (probe.repo / model).exists() and not Path(model).exists():
+    if "MODEL" in v.explicit and not (probe.repo / model).exists() and not Path(model).exists():
         (_refuse if require_files else notes.append)(
             f"MODEL={model} does not exist; point MODEL at a prepared checkpoint dir or unset it")
+    return model
 
-    # ---- refusals that do not need the pool ----
-    key, key_source = _api_key(env, probe.repo)
-    host, exposed = s["HOST"], s["PUBLISHED_ON"]
-    if not knobs.is_loopback(exposed) and not key:
-        where = "PUBLISHED_ON" if "PUBLISHED_ON" in explicit else "HOST"
-        _refuse(f"{where}={exposed} would serve the model to the network without authentication; set VLLM_API_KEY "
-                f"(or write a key to {API_KEY_FILE}: openssl rand -hex 24 > {API_KEY_FILE}), or {where}=127.0.0.1")
-    if exposed != host:
-        notes.append(f"HOST={host} inside, reachable from {exposed} (PUBLISHED_ON): the API-key rule uses {exposed}")
-    extra = shlex.split(s["EXTRA_ARGS"])
-    if any(a == "--api-key" or a.startswith("--api-key=") for a in extra):
-        _refuse("EXTRA_ARGS carries --api-key, which every user of this machine can read in the process list; "
-                f"set VLLM_API_KEY or write it to {API_KEY_FILE} instead")
-    if s["REQ_METRICS"] and "--disable-log-stats" in extra:
-        _refuse("REQ_METRICS=1 needs vLLM's stats logging, and EXTRA_ARGS has --disable-log-stats; drop one")
-    if s["INT8_ACT"] == "int8" and s["INT8_LAYERS"] == "mlp|linear_attn":
-        _refuse("INT8_LAYERS=mlp|linear_attn crashes inductor at the first forward on this pin; use "
-                "INT8_LAYERS=mlp or INT8_LAYERS='mlp|linear_attn|self_attn'")
-    if s["INT8_ACT"] == "off" and "INT8_LAYERS" in explicit:
-        warnings.append("INT8_LAYERS is set but INT8_ACT=off; set INT8_ACT=int8 for it to apply")
-    if mode == "batch" and s["INT8_LAYERS"] == "." and "GPU_UTIL" in explicit and s["GPU_UTIL"] > 0.95:
-        warnings.append(f"INT8_LAYERS=. needs GPU_UTIL<=0.95 (spec), GPU_UTIL={s['GPU_UTIL']} may not boot")
+
+def _check(v: Values, probe: Probe, key: str, require_files: bool, notes: list[str]) -> list[str]:
+    """Refuse what must not boot (PlanError); return the warnings. The knob rules are knobs.checks();
+    here are the ones that need this machine: the API key, vLLM's tool parsers, the drafter's files."""
+    if not knobs.is_loopback(v.published_on) and not key:
+        where = "PUBLISHED_ON" if "PUBLISHED_ON" in v.explicit else "HOST"
+        _refuse(f"{where}={v.published_on} would serve the model to the network without authentication; set "
+                f"VLLM_API_KEY (or write a key to {API_KEY_FILE}: openssl rand -hex 24 > {API_KEY_FILE}), or "
+                f"{where}=127.0.0.1")
+    if v.published_on != v.host:
+        notes.append(f"HOST={v.host} inside, reachable from {v.published_on} (PUBLISHED_ON): the API-key rule uses "
+                     f"{v.published_on}")
+    refusals, warnings = knobs.violations(v)
+    if refusals:
+        _refuse(refusals[0])
     parsers = probe.tool_parsers
-    if s["TOOLS"] and parsers and s["TOOL_PARSER"] not in parsers:
-        close = difflib.get_close_matches(s["TOOL_PARSER"], sorted(parsers), n=1)
-        _refuse(f"TOOL_PARSER={s['TOOL_PARSER']} is not a vLLM tool parser"
+    if v.tools and parsers and v.tool_parser not in parsers:
+        close = difflib.get_close_matches(v.tool_parser, sorted(parsers), n=1)
+        _refuse(f"TOOL_PARSER={v.tool_parser} is not a vLLM tool parser"
                 + (f"; did you mean {close[0]}?" if close else "; leave it at qwen3_coder"))
-    if s["TOOLS"] and s["TOOL_PARSER"] == "hermes":
-        warnings.append("TOOL_PARSER=hermes reads JSON calls; this model's template emits XML (qwen3_coder)")
-
-    if spec == "dflash2":
-        if s["DFLASH_TOKENS"] > 7 and s["MAX_SEQS"] > 4:
-            _refuse(f"DFLASH_TOKENS={s['DFLASH_TOKENS']} with MAX_SEQS={s['MAX_SEQS']}: a long verify block "
-                    "doubles every resident's state page and this boots, then dies on the first concurrent "
-                    "batch (spec); set MAX_SEQS=4 (or unset it) or DFLASH_TOKENS=7")
-        if s["ASYNC_SCHED"]:
-            _refuse("ASYNC_SCHED=1 with SPEC=dflash2: the verify-block length reaches the scheduler only "
-                    "on the synchronous path; unset ASYNC_SCHED")
-        drafter = Path(s["DRAFT"]) if Path(s["DRAFT"]).is_absolute() else probe.repo / s["DRAFT"]
+    if v.spec == "dflash2":
+        drafter = Path(v.draft) if Path(v.draft).is_absolute() else probe.repo / v.draft
         if not (drafter / "config.json").is_file():
-            msg = (f"SPEC=dflash2 needs the drafter in {s['DRAFT']}: run {VENV_PYTHON} prepare/fetch_dflash2.py, "
+            msg = (f"SPEC=dflash2 needs the drafter in {v.draft}: run {VENV_PYTHON} prepare/fetch_dflash2.py, "
                    "or set DRAFT=<drafter dir>, or SPEC=mtp")
             if require_files:
                 _refuse(msg)
-            if "DRAFT" in explicit:
+            if "DRAFT" in v.explicit:
                 notes.append(msg)
-        if "DRAFT_TOKENS" in explicit:
-            warnings.append("DRAFT_TOKENS is MTP's depth; with SPEC=dflash2 set DFLASH_TOKENS")
-        if s["VISION"] and not s["VISION_OFFLOAD"]:
-            warnings.append("SPEC=dflash2 VISION=1 VISION_OFFLOAD=0 does not boot on a 24 GB card (spec)")
-    if spec == "mtp" and ctx == "long" and s["DRAFT_TOKENS"] > 3:
-        _refuse(f"DRAFT_TOKENS={s['DRAFT_TOKENS']} on CTX=long: FlashInfer's spec-decode path dies with an "
-                "illegal memory access with 4 drafts once requests finish mid-batch (spec); set DRAFT_TOKENS=3 "
-                "(or 2), or CTX=fast for 4 drafts")
-    if spec == "mtp" and ctx == "huge" and s["CUDAGRAPH_MODE"] not in ("PIECEWISE", "NONE"):
-        warnings.append(f"CUDAGRAPH_MODE={s['CUDAGRAPH_MODE']} with SPEC=mtp CTX=huge is unsafe: under FULL "
-                        "capture one prompt length in 128 comes back corrupted on a prefix-cache hit (spec)")
+    return warnings
 
-    # ---- KV dtype and attention backend ----
-    kv_dtype, backend, kv_why = _kv_choice(mode, s)
+
+def _size_pool(v: Values, model: str, probe: Probe, notes: list[str],
+               derived: list[Derived]) -> tuple[Sized, memory.CacheShape | None, int]:
+    """The KV layout, the pool in bytes (KV_MEM, or from free VRAM for `auto`) and the context it holds."""
+    kv_dtype, backend, kv_why = knobs.kv_layout(v)
     derived.append(Derived("kv-cache-dtype", kv_dtype, kv_why))
     if backend:
         derived.append(Derived("attention-backend", backend, kv_why))
     if kv_dtype == HUGE_KV and probe.kv_dtypes and HUGE_KV not in probe.kv_dtypes:
-        what = "CTX=huge" if mode == "single" else "KV=kvarn"
-        other = "CTX=long (150k)" if mode == "single" else "KV=int4pth (vLLM's own int4 cache) or KV=fp8"
-        _refuse(f"{what} needs the KVarN long-context KV cache, which this vLLM does not have; run "
-                f"bash kvarn/install.sh, or set {other}")
-
-    # ---- pool ----
-    spec_tokens = {"mtp": s.get("DRAFT_TOKENS", 0), "dflash2": s.get("DFLASH_TOKENS", 0)}.get(spec, 0)
+        what = "CTX=huge" if v.mode == "single" else "KV=kvarn"
+        other = "CTX=long (150k)" if v.mode == "single" else "KV=int4pth (vLLM's own int4 cache) or KV=fp8"
+        _refuse(f"{what} needs the KVarN long-context KV cache, which this vLLM does not have (the KVarN cache is "
+                f"not built yet); set {other}")
+    batched_tokens = memory.PREFILL_CHUNK if v.mode == "single" else None
     cache = None
     if kv_dtype != HUGE_KV:
-        cache = memory.CacheShape(kv_dtype=kv_dtype, state_dtype=s["STATE_DTYPE"], spec=spec, spec_tokens=spec_tokens,
-                                  prefix_cache=bool(s["PREFIX_CACHE"]), async_scheduling=bool(s["ASYNC_SCHED"]),
-                                  max_num_batched_tokens=memory.PREFILL_CHUNK if mode == "single" else 8192)
-    weights = memory.weights_bytes(spec, fast_variant=(model == FAST_MODEL), vision=bool(s["VISION"]))
-    kv_mem: int | None = s["KV_MEM"] if isinstance(s["KV_MEM"], int) else None
-    if s["KV_MEM"] == "auto":
+        cache = memory.CacheShape(kv_dtype=kv_dtype, state_dtype=v.state_dtype, spec=v.spec,
+                                  spec_tokens=_spec_tokens(v), prefix_cache=bool(v.prefix_cache),
+                                  async_scheduling=bool(v.async_sched), max_num_batched_tokens=batched_tokens or 8192)
+    weights = memory.weights_bytes(v.spec, fast_variant=(model == FAST_MODEL), vision=bool(v.vision))
+    kv_mem = v.kv_mem if isinstance(v.kv_mem, int) else None
+    if v.kv_mem == "auto":
         if probe.free_vram is None:
             _refuse(f"KV_MEM=auto needs the free VRAM and {probe.vram_source}; set KV_MEM to bytes "
                     "(5583457484 = 5.2 GiB) or leave it empty to size the pool from GPU_UTIL")
@@ -362,9 +351,9 @@ def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require
         notes.append(f"KV_MEM=auto -> {kv_mem} bytes ({kv_mem / memory.GiB:.2f} GiB): {_gib(probe.free_vram)} free "
                      f"- {_gib(weights)} weights - {_gib(memory.CUDAGRAPH_BYTES)} graphs - "
                      f"{_gib(memory.ACTIVATION_PEAK_BYTES)} activation peak - {_gib(memory.AUTO_MARGIN_BYTES)} margin")
-    max_len = s["MAX_LEN"]
-    len_explicit = "MAX_LEN" in explicit or (spec == "dflash2" and "DFLASH_MAX_LEN" in explicit)
-    if cache and s["KV_MEM"] == "auto" and not len_explicit and not cache.fits(kv_mem, max_len):
+    max_len = v.max_len
+    len_explicit = "MAX_LEN" in v.explicit or (v.spec == "dflash2" and "DFLASH_MAX_LEN" in v.explicit)
+    if cache and v.kv_mem == "auto" and not len_explicit and not cache.fits(kv_mem, max_len):
         fitted = cache.longest_context(kv_mem)
         if fitted >= 4096:
             notes.append(f"MAX_LEN={fitted} (from {max_len}) because that is the longest context the "
@@ -374,96 +363,32 @@ def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require
     if cache and kv_mem is not None and not cache.fits(kv_mem, max_len):
         _refuse(f"MAX_LEN={max_len} does not fit one request in a {kv_mem / memory.GiB:.2f} GiB pool "
                 f"(longest that fits: {cache.longest_context(kv_mem)}); lower MAX_LEN or raise KV_MEM")
-    if cache and kv_mem is not None and s["MAX_SEQS"] > cache.num_blocks(kv_mem):
+    if cache and kv_mem is not None and v.max_seqs > cache.num_blocks(kv_mem):
         # vLLM 0.28.0 stops at CUDA-graph capture: every decode sequence needs a GDN state block (H200, 2026-11-29)
-        _refuse(f"MAX_SEQS={s['MAX_SEQS']} is more than the {cache.num_blocks(kv_mem)} blocks of a "
+        _refuse(f"MAX_SEQS={v.max_seqs} is more than the {cache.num_blocks(kv_mem)} blocks of a "
                 f"{kv_mem / memory.GiB:.2f} GiB pool (vLLM needs one GDN state block per sequence); lower MAX_SEQS "
                 "or raise KV_MEM")
-    if kv_mem is None and s["KV_MEM"] == "":
-        derived.append(Derived("pool", f"--gpu-memory-utilization {s['GPU_UTIL']}", "KV_MEM empty: vLLM sizes it"))
+    if kv_mem is None and v.kv_mem == "":
+        derived.append(Derived("pool", f"--gpu-memory-utilization {v.gpu_util}", "KV_MEM empty: vLLM sizes it"))
+    return Sized(model, max_len, kv_mem, kv_dtype, backend, batched_tokens), cache, weights
 
-    # ---- argv ----
-    argv = ["vllm", "serve", model, "--served-model-name", SERVED_NAME, "--host", host, "--port", str(s["PORT"]),
-            "--max-num-seqs", str(s["MAX_SEQS"]), "--max-model-len", str(max_len),
-            "--mamba-ssm-cache-dtype", s["STATE_DTYPE"]]
-    if kv_dtype != "auto":
-        argv += ["--kv-cache-dtype", kv_dtype]
-    if backend:
-        argv += ["--attention-backend", backend]
-    argv += ["--kv-cache-memory-bytes", str(kv_mem)] if kv_mem is not None else \
-        ["--gpu-memory-utilization", str(s["GPU_UTIL"])]
-    if s["PREFIX_CACHE"]:
-        argv += ["--enable-prefix-caching", "--mamba-cache-mode", "align"]
-    else:
-        argv += ["--no-enable-prefix-caching"]  # vLLM 0.28.0 turns it on for hybrids unless told not to
-    if spec == "mtp":
-        argv += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": spec_tokens,
-                                                     "draft_sample_method": s["DRAFT_SAMPLE"]})]
-    elif spec == "dflash2":
-        argv += ["--speculative-config", json.dumps({"method": "dflash", "model": s["DRAFT"],
-                                                     "num_speculative_tokens": spec_tokens})]
-    argv += ["--async-scheduling"] if s["ASYNC_SCHED"] else ["--no-async-scheduling"]
-    if s["CUDAGRAPH_MODE"] != "auto":
-        argv += ["--compilation-config", json.dumps({"cudagraph_mode": s["CUDAGRAPH_MODE"]})]
-    if mode == "single":
-        argv += ["--max-num-batched-tokens", str(memory.PREFILL_CHUNK)]
-    if s["TOOLS"]:
-        argv += ["--enable-auto-tool-choice", "--tool-call-parser", s["TOOL_PARSER"]]
-    if s["VISION"]:
-        argv += ["--limit-mm-per-prompt", json.dumps({"image": 1}),
-                 "--mm-processor-kwargs", json.dumps({"max_pixels": VISION_MAX_PIXELS})]
-    else:
-        argv += ["--language-model-only"]
-    if s["REQ_METRICS"]:
-        argv += ["--enable-per-request-metrics", "--enable-force-include-usage"]
-    if s["API_SERVERS"] != 1:
-        argv += ["--api-server-count", str(s["API_SERVERS"])]
-    if s["GDN_PREFILL"] != "auto":
-        argv += ["--gdn-prefill-backend", s["GDN_PREFILL"]]
-    argv += extra
 
-    # ---- exported variables ----
-    out_env: dict[str, str] = {}
-    if s["INT8_ACT"] == "int8":
-        out_env["VLLM_MARLIN_INPUT_DTYPE"] = "int8"
-        out_env["VLLM_MARLIN_INT8_INCLUDE_RE"] = s["INT8_LAYERS"]
-    if spec in ("mtp", "dflash2") and s["SPEC_ATTN"]:
-        out_env["VLLM_SPEC_DECODE_ATTN"] = "1"
-    if spec == "mtp":
-        out_env["VLLM_MTP_DRAFT_VOCAB"] = str(s["MTP_DRAFT_VOCAB"])
-    if spec == "dflash2":
-        out_env["VLLM_DFLASH2_LOOKUP"] = str(s["LOOKUP"])
-        if s["LOOKUP"]:
-            for name, _, _ in knobs.LOOKUP_SUBKNOBS:
-                out_env[f"VLLM_DFLASH2_LOOKUP_{name}"] = str(s[f"VLLM_DFLASH2_LOOKUP_{name}"])
-        if probe.wsl2 and env.get("VLLM_WSL2_ENABLE_PIN_MEMORY") != "1":
-            out_env["VLLM_WSL2_ENABLE_PIN_MEMORY"] = "1"
-            notes.append("VLLM_WSL2_ENABLE_PIN_MEMORY=1 because this is WSL2 and SPEC=dflash2 (the V2 runner "
-                         "allocates UVA buffers, which need pinned memory)")
-        if s["LOOKUP"] and s["VLLM_DFLASH2_LOOKUP_NMIN"] > s["VLLM_DFLASH2_LOOKUP_NMAX"]:
-            _refuse("VLLM_DFLASH2_LOOKUP_NMIN is above VLLM_DFLASH2_LOOKUP_NMAX; the lookup could never match")
-    if mode == "single" and s["PREFILL_ATTN"] == "int8":
-        out_env["VLLM_PREFILL_INT8_ATTN"] = "1"
-        if s["INT8_ACT"] != "int8":
-            warnings.append("PREFILL_ATTN=int8 alone is noise-to-slightly-positive (spec); pair it with INT8_ACT=int8")
-    if s["VISION"] and s["VISION_OFFLOAD"]:
-        out_env["VLLM_VISION_CPU_OFFLOAD"] = "1"
-    secret = {"VLLM_API_KEY": key} if key_source == API_KEY_FILE else {}
+def _spec_tokens(v: Values) -> int:
+    return {"mtp": v.draft_tokens, "dflash2": v.dflash_tokens}.get(v.spec, 0)
 
-    # ---- what the pool holds ----
-    if cache:
-        derived.append(Derived("block size", f"{cache.block_size} tokens",
-                               "smallest multiple of 16 whose page holds one GDN state (vLLM hybrid alignment)"))
-        derived.append(Derived("KV groups", cache.groups, f"{cache.group_size} layers per group"))
-        derived.append(Derived("state page per resident", _gib(cache.resident_bytes()),
-                               f"(1+k) GDN state pages, k={spec_tokens}"
-                               + (", +1 for prefix caching" if s["PREFIX_CACHE"] else "")
-                               + (", + the drafter's window" if spec == "dflash2" else "")))
-        if kv_mem is not None:
-            derived += _pool_lines(cache, kv_mem, max_len, s["MAX_SEQS"])
-    derived.append(Derived("weights on GPU", _gib(weights), "memory model (int4 body, int8 embed, prepared heads)"))
-    return ServePlan(mode, settings, tuple(argv), out_env, secret, key_source, tuple(notes), tuple(warnings),
-                     tuple(derived), tuple(missing), cache, kv_mem)
+
+def _cache_lines(cache: memory.CacheShape, v: Values, sized: Sized) -> list[Derived]:
+    """What the pool holds: block size, groups, the state page per resident, and the pool itself."""
+    lines = [Derived("block size", f"{cache.block_size} tokens",
+                     "smallest multiple of 16 whose page holds one GDN state (vLLM hybrid alignment)"),
+             Derived("KV groups", cache.groups, f"{cache.group_size} layers per group"),
+             Derived("state page per resident", _gib(cache.resident_bytes()),
+                     f"(1+k) GDN state pages, k={_spec_tokens(v)}"
+                     + (", +1 for prefix caching" if v.prefix_cache else "")
+                     + (", + the drafter's window" if v.spec == "dflash2" else ""))]
+    if sized.kv_mem is not None:
+        lines += _pool_lines(cache, sized.kv_mem, sized.max_len, v.max_seqs)
+    return lines
 
 
 def _refuse(message: str) -> None:
@@ -472,21 +397,6 @@ def _refuse(message: str) -> None:
 
 def _gib(n: float) -> str:
     return f"{n / memory.GiB:.2f} GiB"
-
-
-def _kv_choice(mode: str, s: Mapping[str, object]) -> tuple[str, str, str]:
-    if mode == "batch":
-        return {"fp8": ("fp8", "", "KV=fp8"),
-                "int4pth": ("int4_per_token_head", "TRITON_ATTN", "KV=int4pth: vLLM's per-token-head int4"),
-                "kvarn": (HUGE_KV, "", "KV=kvarn")}[s["KV"]]
-    ctx, spec = s["CTX"], s["SPEC"]
-    if ctx == "huge":
-        return HUGE_KV, "", "CTX=huge: KVarN 4/2-bit"
-    if ctx == "long" and spec == "dflash2":
-        return "int8_per_token_head", "TRITON_ATTN", "CTX=long with SPEC=dflash2: int8 per-token-head on Triton"
-    if ctx == "long":
-        return "fp8", "FLASHINFER", "CTX=long: fp8 KV, which needs FlashInfer on Ampere"
-    return "auto", "FLASH_ATTN", "CTX=fast: bf16 KV on FlashAttention (the split-KV verify patch hooks it)"
 
 
 def _pool_lines(cache: memory.CacheShape, kv_mem: int, max_len: int, seats: int) -> list[Derived]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench import report as br
+from bench import serving
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "run_benchmarks.sh"
@@ -54,21 +55,11 @@ def test_plan_single_and_batch():
         br.plan_runs("both")
 
 
-@pytest.fixture(scope="module")
-def vllm_bench_parser():
-    from vllm.benchmarks import serve
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser()
-    serve.add_cli_args(parser)
-    return parser
-
-
-def test_bench_serve_args_parse_in_vllm(vllm_bench_parser, tmp_path):
+def test_bench_serve_args_parse_in_vllm(vllm_cli, tmp_path):
     c4 = br.plan_runs("single", cohorts=(4,))[0]
     args = br.bench_serve_args(c4, base_url="http://h:1", seed=11, cache_salt="tag-11-C4", result_dir=str(tmp_path),
                                prompts_file=str(PROMPTS), tokenizer="/models/x", ignore_eos=True, temperature=0.0)
-    ns = vllm_bench_parser.parse_args(args)
+    ns = vllm_cli.bench_serve(args)
     assert (ns.dataset_name, ns.dataset_path, ns.custom_output_len) == ("custom", str(PROMPTS), 1024)
     assert (ns.max_concurrency, ns.num_prompts, ns.seed, ns.request_rate) == (4, 8, 11, float("inf"))
     assert ns.extra_body == {"cache_salt": "tag-11-C4"}
@@ -80,7 +71,7 @@ def test_bench_serve_args_parse_in_vllm(vllm_bench_parser, tmp_path):
     assert set(ns.percentile_metrics.split(",")) == {"ttft", "tpot", "itl", "e2el"}
 
     prefill = br.plan_runs("batch", prefill=True)[1]
-    ns = vllm_bench_parser.parse_args(br.bench_serve_args(
+    ns = vllm_cli.bench_serve(br.bench_serve_args(
         prefill, base_url="http://h:1", seed=12, cache_salt="s", result_dir=str(tmp_path), prompts_file=str(PROMPTS)))
     assert (ns.dataset_name, ns.random_input_len, ns.random_output_len, ns.max_concurrency) == ("random", 1024, 1, 1)
     assert ns.temperature is None and not ns.ignore_eos  # random datasets turn ignore_eos on inside vllm bench serve
@@ -172,7 +163,7 @@ def test_server_facts_from_a_vllm_like_server():
     try:
         base = f"http://127.0.0.1:{server.server_port}"
         facts = harness.server_facts(base, "k")
-        with pytest.raises(RuntimeError, match="HTTP 401"):
+        with pytest.raises(serving.HttpError, match="HTTP 401"):
             harness.server_facts(base, "wrong")
     finally:
         server.shutdown()
@@ -247,7 +238,7 @@ def test_warmup_sends_the_runs_shapes_at_once_over_http(tmp_path):
         server.barrier = threading.Barrier(2, timeout=20)
         single = harness.parse_args(["single", "--tag", "t", "--out", str(tmp_path), "--temperature", "0"])
         harness.warm_up(br.warmup_run(br.plan_runs("single", cohorts=(2,))[0]), single, base, "k", 11, "s2")
-        with pytest.raises(RuntimeError, match="HTTP 401"):
+        with pytest.raises(serving.HttpError, match="HTTP 401"):
             harness.warm_up(spec, args, base, "wrong", 11, "salt-w")
     finally:
         server.shutdown()

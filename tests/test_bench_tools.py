@@ -19,6 +19,8 @@ sys.path.insert(0, str(BENCH))
 
 import conc_ladder  # noqa: E402
 
+from bench import serving  # noqa: E402
+
 
 class _Sse(http.server.ThreadingHTTPServer):
     """Streams a completion whose chunks carry 1, 3, 0 (usage-only) and 2 new tokens."""
@@ -48,7 +50,7 @@ def test_stream_counts_every_token_of_a_bundled_chunk():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         out: dict = {}
-        conc_ladder.stream_one(conc_ladder.Client(f"http://127.0.0.1:{server.server_port}", None), {}, out)
+        conc_ladder.stream_one(serving.Client(f"http://127.0.0.1:{server.server_port}", None), {}, out)
     finally:
         server.shutdown()
         server.server_close()
@@ -126,7 +128,7 @@ def _server_config(status: int, body: dict, key: str | None = None) -> tuple[dic
     server = _ServerInfo(status, body)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        client = conc_ladder.Client(f"http://127.0.0.1:{server.server_port}/v1", key)
+        client = serving.Client(f"http://127.0.0.1:{server.server_port}/v1", key)
         return step_profile.server_vllm_config(client), server.seen
     finally:
         server.shutdown()
@@ -159,7 +161,7 @@ def test_step_profile_without_server_info_notes_the_checkpoint_fallback(capsys, 
 def test_step_profile_without_any_server_notes_the_fallback(capsys):
     import step_profile
 
-    assert step_profile.server_vllm_config(conc_ladder.Client("http://127.0.0.1:9", None)) is None
+    assert step_profile.server_vllm_config(serving.Client("http://127.0.0.1:9", None)) is None
     assert "note: no engine config" in capsys.readouterr().out
 
 

@@ -9,7 +9,6 @@ Runs against the patched vLLM copy that tests/run.sh puts first on PYTHONPATH.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -54,38 +53,6 @@ def pack_int8_rows(q: torch.Tensor) -> torch.Tensor:
     for i in range(4):
         packed |= u[:, i::4] << (8 * i)
     return packed
-
-
-@pytest.fixture(scope="module")
-def vllm_env(tmp_path_factory):
-    """Single-process gloo world + the two CPU-only gaps of model construction (see comments)."""
-    import vllm
-
-    patched = os.environ.get("QS_PATCHED_VLLM")
-    if patched:
-        assert Path(vllm.__file__).resolve().parent == Path(patched).resolve(), (
-            f"vllm imported from {vllm.__file__}, expected the patched copy {patched}"
-        )
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
-
-    with torch.library._scoped_library("_C", "FRAGMENT") as c_ops:
-        # SiluAndMul binds torch.ops._C.silu_and_mul at construction; CPU wheels-without-_C lack the
-        # schema. Construction only needs it to exist: nothing here runs an MLP.
-        if not hasattr(torch.ops._C, "silu_and_mul"):
-            c_ops.define("silu_and_mul(Tensor! out, Tensor input) -> ()")
-        owns_world = not ps.model_parallel_is_initialized()
-        if owns_world:
-            dist_file = tmp_path_factory.mktemp("dist") / "rendezvous"
-            with set_current_vllm_config(VllmConfig()):
-                ps.init_distributed_environment(
-                    world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{dist_file}", backend="gloo"
-                )
-                ps.initialize_model_parallel(1, 1)
-        yield
-        if owns_world:
-            ps.destroy_model_parallel()
-            ps.destroy_distributed_environment()
 
 
 def build_target_and_drafter(tmp_path: Path, quantization_config: dict):
@@ -145,7 +112,7 @@ def share_embeddings(target, drafter) -> None:
     SpecDecodeBaseProposer._maybe_share_embeddings(SimpleNamespace(model=drafter), target.get_language_model())
 
 
-def test_int8_embed_tokens_in_target_and_mtp(vllm_env, tmp_path):
+def test_int8_embed_tokens_in_target_and_mtp(vllm_world, tmp_path):
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_embedding import (
         CompressedTensorsEmbeddingWNA16Int,
@@ -193,7 +160,7 @@ def test_int8_embed_tokens_in_target_and_mtp(vllm_env, tmp_path):
 
 
 @pytest.mark.parametrize("config_name", list(UNQUANTIZED_EMBED))
-def test_unquantized_embed_tokens_unchanged(vllm_env, tmp_path, config_name):
+def test_unquantized_embed_tokens_unchanged(vllm_world, tmp_path, config_name):
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     target, drafter = build_target_and_drafter(tmp_path, UNQUANTIZED_EMBED[config_name])

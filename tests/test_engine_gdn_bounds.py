@@ -1,6 +1,6 @@
 """vLLM PR #50021's bug class: GDN speculative-decode kernels indexing outside a request's state row.
 
-Each vLLM copy (pristine, patched) runs tests/gdn_spec_probe.py in its own subprocess under the Triton
+Each vLLM copy (pristine, patched) runs tests/helpers/gdn_spec_probe.py in its own subprocess under the Triton
 interpreter, since the pristine kernels can segfault it.
 """
 
@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_trees import ENV, load, tree
 
 from qwen_serving.engine.gdn_spec_bounds import accepted_slot
+from tests.helpers.engine_trees import ENV, load, tree
 
-PROBE = Path(__file__).with_name("gdn_spec_probe.py")
+PROBE = Path(__file__).parent / "helpers" / "gdn_spec_probe.py"
 
 
 def _probe(name: str, *probes: str) -> tuple[int, dict[str, dict]]:

@@ -11,18 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_kernel_spec_attn import make_paged
 
 from qwen_serving.engine import attn_routing
 from qwen_serving.engine.kernels.spec_attn import SpecAttention, spec_attention_reference
-
-HQ, HKV, D, PAGE = 12, 2, 32, 16
-
-
-def impl_like(**overrides):
-    fields = dict(attn_type="decoder", alibi_slopes=None, sliding_window=(-1, -1), logits_soft_cap=0, sinks=None,
-                  dcp_world_size=1, head_size=256, kv_cache_dtype="auto", num_heads=24, num_kv_heads=4)
-    return SimpleNamespace(**{**fields, **overrides})
+from tests.helpers.flash_attn_fakes import HKV, HQ, PAGE, D, impl_like, metadata_for, recording_flash_attn
+from tests.helpers.paged_kv import make_paged
 
 
 def test_layer_refusals():
@@ -60,14 +53,6 @@ def test_scratch_geometry():
     assert huge.max_splits == 1  # never below one split, whatever the budget says
 
 
-def metadata_for(q_lens, seq_lens, **overrides):
-    q, kc, vc, bt, sl, qsl = make_paged(seq_lens, q_lens, HQ, HKV, D, PAGE)
-    fields = dict(num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), query_start_loc=qsl,
-                  max_seq_len=max(seq_lens), seq_lens=sl, block_table=bt, use_cascade=False, causal=True,
-                  mm_prefix_query_range_tensor=None, rswa_prefix_lens=None)
-    return SimpleNamespace(**{**fields, **overrides}), q, kc, vc
-
-
 def test_verify_batches_only():
     attn = SpecAttention(HQ, HKV, D, max_batch=4, max_query_len=8, max_splits=4, device="cpu")
     md, q, kc, vc = metadata_for([5, 5, 5], [40, 70, 5])
@@ -90,26 +75,12 @@ def test_verify_batches_only():
     assert not attn_routing.takes_verify_path(attn, md, q, kc.half())
 
 
-def recording_flash_attn(monkeypatch):
-    """The patched backend module, with a recording flash_attn_varlen_func (no FlashAttention on CPU): it keeps
-    each call's max_seqlen_q and computes the reference attention. Returns (module, calls)."""
-    fa = pytest.importorskip("vllm.v1.attention.backends.flash_attn")
-    calls = []
-
-    def varlen(q, k, v, out, cu_seqlens_q, seqused_k, softmax_scale, block_table, **kwargs):
-        calls.append(kwargs["max_seqlen_q"])
-        out.copy_(spec_attention_reference(q, k, v, block_table, seqused_k, cu_seqlens_q, softmax_scale))
-
-    monkeypatch.setattr(fa, "flash_attn_varlen_func", varlen, raising=False)
-    return fa, calls
-
-
 @pytest.fixture
 def flash_attn(monkeypatch):
     recorded = recording_flash_attn(monkeypatch)
-    attn_routing._shared.clear()
+    attn_routing.release_verify_kernels()
     yield recorded
-    attn_routing._shared.clear()
+    attn_routing.release_verify_kernels()
 
 
 def build_impl(fa, monkeypatch, enabled: bool, hq: int = HQ, hkv: int = HKV, d: int = D):

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_engine_hooks_attn import impl_like, metadata_for, recording_flash_attn
-from test_kernel_spec_attn import make_paged
 
 from qwen_serving.engine import attn_routing
 from qwen_serving.engine.kernels.spec_attn import spec_attention_reference
+from tests.helpers.flash_attn_fakes import impl_like, metadata_for, recording_flash_attn
+from tests.helpers.paged_kv import make_paged
 
 PAGE = 16
 

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from engine_trees import load
 
 from qwen_serving.engine import sampler_routing
+from tests.helpers.engine_trees import load
 
 VOCAB = 300
 

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from engine_trees import load
 
 from qwen_serving.engine.kv_groups import choose_group_size, cudagraph_reserve_bytes, upstream_group_size
+from tests.helpers.engine_trees import load
 
 KV_MEMORY = 5 << 30
 MAX_MODEL_LEN = 65536

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_trees import load
 
 from qwen_serving.checkpoint.int4 import negate_groups, pack_int4, quantize_int4_groups
-from qwen_serving.engine import marlin_int8
 from qwen_serving.engine.marlin_int8 import (
     dequantize,
     fold_negative_scales,
@@ -19,6 +17,7 @@ from qwen_serving.engine.marlin_int8 import (
     int16_scales_as_read,
     unpack_codes,
 )
+from tests.helpers.engine_trees import load
 
 GROUP = 128
 MARLIN = "model_executor/kernels/linear/mixed_precision/marlin.py"
@@ -221,14 +220,3 @@ def test_get_marlin_input_dtype_selects(monkeypatch):
     monkeypatch.delenv("VLLM_MARLIN_INPUT_DTYPE")
     assert get_marlin_input_dtype(mlp) is None
 
-
-def test_new_env_vars_key_the_compile_cache(monkeypatch):
-    """Every VLLM_* variable the engine patches add is registered, so compile_factors() keys on it."""
-    import vllm.envs as envs
-
-    assert envs.environment_variables["VLLM_MARLIN_INT8_INCLUDE_RE"]() == marlin_int8.DEFAULT_INCLUDE_RE
-    for name, value in (("VLLM_MARLIN_INT8_INCLUDE_RE", "mlp|self_attn"), ("VLLM_V2_CUDAGRAPH_MEM_MIB", "1200"),
-                        ("VLLM_MTP_DRAFT_VOCAB", "0")):
-        before = envs.compile_factors()
-        monkeypatch.setenv(name, value)
-        assert name in envs.compile_factors() and envs.compile_factors() != before

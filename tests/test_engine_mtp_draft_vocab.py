@@ -1,7 +1,7 @@
 """patches/qwen3_5-mtp-draft-vocab.patch: MTP drafts over a reduced draft head mapped back to the vocabulary.
 
-A tiny Qwen3.5 target and its MTP drafter are built through vLLM's own initialize_model (the
-scaffolding of tests/test_embed_quant.py), with a draft head over 100 of the 1000 token ids.
+A tiny Qwen3.5 target and its MTP drafter are built through vLLM's own initialize_model (as in
+tests/test_embed_quant.py, in conftest's vllm_world), with a draft head over 100 of the 1000 token ids.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_embed_quant import vllm_env  # noqa: F401 - the single-process world and CPU construction shims
 
 from qwen_serving.engine.mtp_draft_vocab import DraftVocab, read_draft_ids
 
@@ -71,7 +70,7 @@ def share_lm_head(vllm_config, target, drafter) -> None:
     SpecDecodeBaseProposer._maybe_share_lm_head(proposer, target.get_language_model())
 
 
-def test_drafts_over_the_draft_vocabulary(vllm_env, tmp_path):  # noqa: F811
+def test_drafts_over_the_draft_vocabulary(vllm_world, tmp_path):
     vllm_config, target, drafter = build(tmp_path)
     weight = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(1))
     loaded = load(drafter, vllm_config, checkpoint(weight))
@@ -95,7 +94,7 @@ def test_drafts_over_the_draft_vocabulary(vllm_env, tmp_path):  # noqa: F811
     assert torch.softmax(logits, -1)[:, outside].sum() == 0  # sampled drafts never leave the list
 
 
-def test_switched_off(vllm_env, tmp_path, monkeypatch):  # noqa: F811
+def test_switched_off(vllm_world, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_MTP_DRAFT_VOCAB", "0")
     vllm_config, target, drafter = build(tmp_path)
     assert not hasattr(drafter.model, "draft_lm_head")
@@ -105,7 +104,7 @@ def test_switched_off(vllm_env, tmp_path, monkeypatch):  # noqa: F811
     torch.testing.assert_close(drafter.compute_logits(hidden), hidden @ weight.t())
 
 
-def test_no_draft_head_in_checkpoint(vllm_env, tmp_path):  # noqa: F811
+def test_no_draft_head_in_checkpoint(vllm_world, tmp_path):
     _, _, drafter = build(tmp_path, with_draft_vocab=False)
     assert not hasattr(drafter.model, "draft_lm_head")
 

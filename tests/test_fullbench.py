@@ -4,9 +4,13 @@ parser, the measurements each config runs, the stock-reproduction check, and ben
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+import re
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -19,88 +23,149 @@ RUN_FULL = REPO / "bench" / "gpu" / "run_full.py"
 CKPT, TRACES = Path("/ckpt/full"), Path("/out/traces-x")
 
 
-@pytest.fixture(scope="module")
-def serve():
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+def command(name: str) -> fb.ServerCommand:
+    return fb.server_command(fb.CONFIGS[name], python="py", ckpt=CKPT, port=18025, traces=TRACES,
+                             probe=Probe.detect(REPO))
 
-    root = FlexibleArgumentParser(prog="vllm")
-    ServeSubcommand().subparser_init(root.add_subparsers(dest="subparser"))
 
-    def parse(argv: tuple[str, ...]):
-        assert argv[1:4] == ("-m", "vllm.entrypoints.cli.main", "serve")
-        ns = root.parse_args(list(argv[3:]))
-        ServeSubcommand().validate(ns)
-        return ns, EngineArgs.from_cli_args(ns)
-
-    return parse
+def plan_of(name: str):
+    return fb.serve_plan(fb.CONFIGS[name], ckpt=CKPT, port=18025, traces=TRACES, probe=Probe.detect(REPO))
 
 
 @pytest.mark.parametrize("name", list(fb.CONFIGS))
-def test_every_config_parses_through_vllm_serve(name, serve):
+def test_every_config_is_a_serve_plan_that_vllm_serve_parses(name, vllm_cli):
     cfg = fb.CONFIGS[name]
-    cmd = fb.server_command(cfg, python="py", ckpt=CKPT, port=18025, traces=TRACES, probe=Probe.detect(REPO))
-    ns, ea = serve(cmd.argv)
+    served = plan_of(name)  # the plan's own checks passed (a refusal raises PlanError)
+    assert served.mode == cfg.mode and not served.warnings, served.warnings
+    cmd = command(name)
+    ns, ea = vllm_cli.serve(cmd.argv)
     assert ns.model_tag == str(CKPT) and ns.port == 18025 and ns.host == "127.0.0.1"
     assert ea.served_model_name in (fb.SERVED_NAME, [fb.SERVED_NAME])
+    assert ea.max_model_len == fb.MAX_LEN and ea.language_model_only and ea.gdn_prefill_backend == "triton"
+    # the plan's argv, less only the flags the config leaves to vLLM
+    assert list(cmd.argv[4:]) == fb.without_flags(served.argv[2:], cfg.vllm_defaults)
+    assert all(getattr(ea, flag.removeprefix("--").replace("-", "_")) is None for flag in cfg.vllm_defaults)
     if not cfg.shared_start:  # the reference launch: vLLM's profiling and defaults, no profiler
         assert ea.kv_cache_memory_bytes is None and ea.gpu_memory_utilization == 0.9
-        assert ea.profiler_config.profiler is None
-        assert ea.max_num_seqs is None and ea.speculative_config is None
+        assert ea.profiler_config.profiler is None and ea.max_num_seqs is None
         return
     # shared-GPU start: a fixed pool, so vLLM's memory profiling (which other processes would upset) is skipped
-    assert ea.kv_cache_memory_bytes == cfg.kv_bytes and ea.gpu_memory_utilization == fb.SHARED_UTIL
-    assert ea.max_model_len == fb.MAX_LEN and ea.language_model_only and ea.gdn_prefill_backend == "triton"
+    assert ea.kv_cache_memory_bytes == served.kv_mem == served.value("KV_MEM")
+    assert ea.gpu_memory_utilization == fb.SHARED_UTIL
     # vLLM 0.28.0 refuses to capture CUDA graphs for more seats than the pool has GDN state blocks (H200, 1024 > 544)
-    assert ea.max_num_seqs == (64 if cfg.product == "batch" else cfg.max_num_seqs)
+    assert ea.max_num_seqs == served.value("MAX_SEQS") <= served.cache.num_blocks(served.kv_mem)
     prof = ea.profiler_config
     prof = prof if isinstance(prof, dict) else vars(prof)
     assert prof["profiler"] == "torch" and prof["torch_profiler_dir"] == str(TRACES) and prof["ignore_frontend"]
-    assert cmd.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert cmd.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and cmd.env["VLLM_SERVER_DEV_MODE"] == "1"
     assert (cmd.env.get("VLLM_DISABLED_KERNELS") == "MacheteLinearKernel") is cfg.marlin_forced
-    spec = ea.speculative_config
-    if cfg.spec_tokens:
-        assert spec == {"method": "mtp", "num_speculative_tokens": cfg.spec_tokens}
+    # a patched server gets every export of its plan; stock vLLM none of them
+    assert (set(served.env) <= set(cmd.env)) if cfg.patched else not set(served.env) & set(cmd.env)
+
+
+def _stock_vllm_env() -> set[str]:
+    """The VLLM_* names pristine vLLM 0.28.0 reads (tests/run.sh patches a copy; the venv's own stays stock)."""
+    pristine = os.environ.get("QS_PRISTINE_VLLM") or Path(sysconfig.get_paths()["purelib"]) / "vllm"
+    envs = (Path(pristine) / "envs.py").read_text()
+    return set(re.findall(r'^    "(VLLM_[A-Z0-9_]+)":', envs, re.M))
+
+
+def test_stock_servers_get_no_patch_variables():
+    stock_env = _stock_vllm_env()
+    assert {"VLLM_USE_FLASHINFER_SAMPLER", "VLLM_SERVER_DEV_MODE", "VLLM_DISABLED_KERNELS"} <= stock_env
+    dropped = set()
+    for name, cfg in fb.CONFIGS.items():
+        if cfg.patched:
+            continue
+        assert set(command(name).env) <= stock_env, name
+        dropped |= set(plan_of(name).env)
+    assert dropped == {"VLLM_SPEC_DECODE_ATTN", "VLLM_MTP_DRAFT_VOCAB"}  # the MTP configs' plan exports
+    assert not dropped & stock_env  # read by our patches only: dropping them changes nothing on stock vLLM
+
+
+BEFORE = json.loads((REPO / "tests" / "fixtures" / "fullbench-commands-before-plan.json").read_text())["configs"]
+# Engine arguments that must be the same as in the hand-written commands from before the plan
+SAME = ("model", "served_model_name", "max_model_len", "max_num_seqs", "kv_cache_memory_bytes",
+        "gpu_memory_utilization", "kv_cache_dtype", "max_num_batched_tokens", "language_model_only",
+        "gdn_prefill_backend", "enable_auto_tool_choice", "tool_call_parser", "quantization")
+
+
+def test_fixture_holds_every_config():
+    assert set(BEFORE) == set(fb.CONFIGS)
+
+
+@pytest.mark.parametrize("name", list(fb.CONFIGS))
+def test_commands_do_what_the_hand_written_ones_did(name, vllm_cli, monkeypatch, tmp_path):
+    """Each config's command against the one bench/fullbench.py wrote by hand before it went through the plan
+    (tests/fixtures/fullbench-commands-before-plan.json): the same engine arguments, and where the plan names
+    what the old command left to vLLM, the value vLLM 0.28.0 picked for it."""
+    from dataclasses import fields
+
+    from vllm.config import SpeculativeConfig
+
+    from qwen_serving.checkpoint.synth import write_config_files
+
+    before, now = BEFORE[name], command(name)
+    (old_ns, old), (new_ns, new) = vllm_cli.serve(tuple(before["argv"])), vllm_cli.serve(now.argv)
+    for arg in SAME:
+        assert getattr(new, arg, getattr(new_ns, arg, None)) == getattr(old, arg, getattr(old_ns, arg, None)), arg
+    assert (vars(new.profiler_config), new_ns.host, new_ns.port) == (vars(old.profiler_config), old_ns.host,
+                                                                     old_ns.port)
+    # the recurrent state: `auto` is the checkpoint's mamba_ssm_dtype (float32 in the synthesised full model)
+    if old.mamba_ssm_cache_dtype == "auto":
+        write_config_files(tmp_path, "full", 4)
+        config = json.loads((tmp_path / "config.json").read_text())
+        assert new.mamba_ssm_cache_dtype == config.get("text_config", config)["mamba_ssm_dtype"]
     else:
-        assert spec is None
-    if cfg.product == "batch":  # the serve plan's batch mode, not a hand copy of it
-        assert cmd.env["VLLM_MARLIN_INPUT_DTYPE"] == "int8" and cmd.env["VLLM_MARLIN_INT8_INCLUDE_RE"] == "mlp"
-        assert ea.mamba_ssm_cache_dtype == "float16" and ea.kv_cache_dtype == "fp8" and ea.max_num_seqs == 64
-        assert ea.enable_prefix_caching and ea.async_scheduling
+        assert new.mamba_ssm_cache_dtype == old.mamba_ssm_cache_dtype
+    # prefix caching: 0.28.0's default for hybrids, whose mamba cache mode it then sets to align
+    assert old.enable_prefix_caching in (None, True) and new.enable_prefix_caching is True
+    assert old.mamba_cache_mode in ("none", "align") and new.mamba_cache_mode == "align"
+    # async scheduling: vLLM turns it on without speculation and for MTP (config/vllm.py); the H200 engine config
+    # recorded it so (bench/results/h200-full-stock-single.json)
+    assert old.async_scheduling in (None, True) and new.async_scheduling is True
+    # attention: FlashAttention is vLLM's first choice on sm90 for a bf16 KV cache (platforms/cuda.py); fp8 KV
+    # (the batch plan) was left to vLLM before and still is
+    assert old.attention_backend is None
+    assert str(new.attention_backend) in (("None",) if new.kv_cache_dtype == "fp8" else ("FLASH_ATTN",
+                                                                                        "AttentionBackendEnum.FLASH_ATTN"))
+    # speculation: the same method and depth; draft sampling named as vLLM's default
+    default_sampling = {f.name: f.default for f in fields(SpeculativeConfig)}["draft_sample_method"]
+    if old.speculative_config is None:
+        assert new.speculative_config is None
     else:
-        assert "VLLM_MARLIN_INPUT_DTYPE" not in cmd.env and ea.kv_cache_dtype == "auto"
-        assert ea.mamba_ssm_cache_dtype == (cfg.state_dtype or "auto")  # auto: the checkpoint's float32
-    assert (cmd.env.get("VLLM_SPEC_DECODE_ATTN") == "1") is (cfg.patched and cfg.spec_tokens > 0)
+        assert new.speculative_config == {**old.speculative_config, "draft_sample_method": default_sampling}
+    # the environment: the same, plus VLLM_MTP_DRAFT_VOCAB at the patch's own default
+    added = {k: v for k, v in now.env.items() if k not in before["env"]}
+    assert {k: now.env[k] for k in before["env"]} == before["env"]
+    if added:
+        import vllm.envs as envs
+
+        monkeypatch.delenv("VLLM_MTP_DRAFT_VOCAB", raising=False)
+        assert added == {"VLLM_MTP_DRAFT_VOCAB": str(envs.environment_variables["VLLM_MTP_DRAFT_VOCAB"]())}
 
 
-def _cache_shape(cfg: fb.BenchConfig):
-    """memory.CacheShape of a config's server."""
-    from qwen_serving.memory import CacheShape
-
-    if cfg.product == "batch":
-        return CacheShape(kv_dtype="fp8", state_dtype="float16", prefix_cache=True)
-    # stock keeps the checkpoint's fp32 state; 0.28.0 turns prefix caching on for hybrid models
-    return CacheShape(state_dtype=cfg.state_dtype or "float32", spec="mtp" if cfg.spec_tokens else "off",
-                      spec_tokens=cfg.spec_tokens, prefix_cache=True, kv_group_fix=cfg.patched)
+def _cache_shape(name: str):
+    """memory.CacheShape of a config's server: its plan's, less the kv-group fix where the patches are not."""
+    return dataclasses.replace(plan_of(name).cache, kv_group_fix=fb.CONFIGS[name].patched)
 
 
 def test_pools_seat_the_largest_cohort():
     from qwen_serving.memory import CacheShape
 
-    for cfg in fb.CONFIGS.values():
+    for name, cfg in fb.CONFIGS.items():
         if not cfg.shared_start:
             continue  # vLLM sizes its pool from 0.9 of the GPU (~100 GB on the H200)
-        shape = _cache_shape(cfg)
-        assert shape.fits(cfg.kv_bytes, fb.MAX_LEN), cfg.name
+        shape, served = _cache_shape(name), plan_of(name)
+        assert shape.fits(served.kv_mem, fb.MAX_LEN), name
         cohort = 64 if "batch" in cfg.runs else 8 if "single" in cfg.runs else 1
-        assert shape.residents(cfg.kv_bytes, 128, 512) >= cohort, cfg.name
+        assert shape.residents(served.kv_mem, 128, 512) >= cohort, name
         # vLLM 0.28.0 refuses more seats than the pool has blocks: on the H200, stock's 28 GB pool with its default
         # 1024 seats failed with "exceeds available Mamba cache blocks (544)", memory.CacheShape's count
-        seats = 64 if cfg.product == "batch" else cfg.max_num_seqs  # the batch plan's MAX_SEQS
-        assert cohort <= seats <= shape.num_blocks(cfg.kv_bytes), cfg.name
+        assert cohort <= served.value("MAX_SEQS") <= shape.num_blocks(served.kv_mem), name
     stock = CacheShape(state_dtype="float32", prefix_cache=True, kv_group_fix=False)
-    assert stock.num_blocks(fb.CONFIGS["stock"].kv_bytes) == 544
+    assert _cache_shape("stock") == dataclasses.replace(stock, async_scheduling=True)
+    assert stock.num_blocks(plan_of("stock").kv_mem) == 544
 
 
 def test_memory_model_matches_the_h200_servers():
@@ -112,10 +177,10 @@ def test_memory_model_matches_the_h200_servers():
                       "stock-machete": 53_456, "stock-fp16state": 229_225, "patched-mtp4": 83_107,
                       "stock-mtp7": 73_408}
     for name, boot_tokens in boot_tokens_of.items():
-        shape = _cache_shape(fb.CONFIGS[name])
+        shape = _cache_shape(name)
         report = json.loads((REPO / "bench" / "results" / f"h200-full-{name}-single.json").read_text())
         recorded = report["server"]["cache_config"]
-        kv_bytes = fb.CONFIGS[name].kv_bytes
+        kv_bytes = plan_of(name).kv_mem
         assert shape.num_blocks(kv_bytes) == int(recorded["num_gpu_blocks"]), name
         assert shape.block_size == int(recorded["block_size"]), name
         assert shape.pool_tokens(kv_bytes, fb.MAX_LEN) == boot_tokens, name

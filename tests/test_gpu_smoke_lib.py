@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench import serving
+
 GPU_DIR = Path(__file__).resolve().parent / "gpu"
 
 
@@ -50,24 +52,7 @@ def checkpoint_configs(tmp_path_factory):
     return root / "tiny", root / "shape"
 
 
-def parse_serve(argv: list[str]):
-    """What `python -m vllm.entrypoints.cli.main serve ...` does with argv, up to the engine config."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    assert argv[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
-    top = FlexibleArgumentParser(prog="vllm")
-    ServeSubcommand().subparser_init(top.add_subparsers(dest="subcommand"))
-    args = top.parse_args(argv[3:])
-    args.model = args.model_tag  # ServeSubcommand.cmd does this
-    assert Path(args.model).is_dir(), "the model must be the local checkpoint (no hub look-up)"
-    validate_parsed_serve_args(args)
-    return args, EngineArgs.from_cli_args(args)
-
-
-def test_server_command_lines_resolve_to_the_intended_engine_configs(checkpoint_configs):
+def test_server_command_lines_resolve_to_the_intended_engine_configs(checkpoint_configs, vllm_cli):
     tiny, shape = checkpoint_configs
     specs = {**lib.tiny_server_specs(tiny), "c": lib.shape_server_spec(shape)}
     argvs = {key: lib.serve_argv(spec, 8123 + i) for i, (key, spec) in enumerate(specs.items())}
@@ -78,7 +63,9 @@ def test_server_command_lines_resolve_to_the_intended_engine_configs(checkpoint_
 
     configs = {}
     for key, argv in argvs.items():
-        args, engine_args = parse_serve(argv)
+        assert argv[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
+        args, engine_args = vllm_cli.serve(argv)
+        assert Path(args.model).is_dir(), "the model must be the local checkpoint (no hub look-up)"
         configs[key] = (args, engine_args.create_engine_config())
 
     for key in ("a", "b"):
@@ -112,15 +99,10 @@ def test_model_max_len_respects_the_checkpoint(tmp_path):
     assert lib.model_max_len(tmp_path, 4096) == 4096
 
 
-def test_bench_serve_command_line_parses(tmp_path):
-    from vllm.entrypoints.cli.benchmark.serve import BenchmarkServingSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
+def test_bench_serve_command_line_parses(tmp_path, vllm_cli):
     argv = lib.bench_serve_argv("http://127.0.0.1:9000", "tiny", tmp_path, tmp_path / "out", "bench.json")
     assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "bench", "serve"]
-    parser = FlexibleArgumentParser(prog="vllm bench serve")
-    BenchmarkServingSubcommand.add_cli_args(parser)
-    args = parser.parse_args(argv[5:])
+    args = vllm_cli.bench_serve(argv)
     assert (args.backend, args.base_url, args.model, args.tokenizer) == (
         "vllm",
         "http://127.0.0.1:9000",
@@ -141,7 +123,7 @@ def test_bench_serve_command_line_parses(tmp_path):
 
 FAKE_SERVER = textwrap.dedent(
     """
-    import json, sys, time
+    import sys, time
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
     argv = sys.argv
@@ -151,45 +133,15 @@ FAKE_SERVER = textwrap.dedent(
     if mode == "dies":
         print("Using MarlinLinearKernel for CompressedTensorsWNA16", flush=True)
         sys.exit(3)
-    time.sleep(0.5)
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
             pass
 
         def do_GET(self):
-            if self.path == "/health":
-                body, kind = b"", "text/plain"
-            elif self.path == "/metrics":
-                body, kind = b'vllm:prefix_cache_hits_total{engine="0"} 7.0\\n', "text/plain"
-            else:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
             self.end_headers()
-            self.wfile.write(body)
-
-        def do_POST(self):
-            payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            if payload.get("bad"):
-                self.send_error(400, "bad request")
-                return
-            if payload.get("stream"):
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.end_headers()
-                for i in range(3):
-                    self.wfile.write(b"data: " + json.dumps({"i": i}).encode() + b"\\n\\n")
-                self.wfile.write(b"data: [DONE]\\n\\n")
-                return
-            body = json.dumps({"echo": payload}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
 
     HTTPServer(("127.0.0.1", port), Handler).serve_forever()
     """
@@ -213,32 +165,27 @@ def stand_in_spec(tmp_path, name: str) -> lib.ServerSpec:
     )
 
 
-def test_server_process_health_http_and_stop(tmp_path, fake_python):
-    server = lib.ServerProcess(stand_in_spec(tmp_path, "ok"), tmp_path / "logs" / "server.log", {}, fake_python)
+def test_smoke_server_runs_its_spec_on_a_free_port(tmp_path, fake_python):
+    server = lib.SmokeServer(stand_in_spec(tmp_path, "ok"), tmp_path / "logs" / "server.log", {"KEEP": "x"},
+                             fake_python)
+    assert server.argv == lib.serve_argv(server.spec, server.port, fake_python) and server.name == "fake-ok"
+    assert server.env["KEEP"] == "x" and server.env["HF_HUB_OFFLINE"] == "1"
     server.launch()
     try:
         server.wait_healthy(timeout_s=30)
-        assert server.start_seconds is not None and server.start_seconds >= 0
-        assert lib.post_json(server.url + "/v1/completions", {"x": 1}) == {"echo": {"x": 1}}
-        events, done = lib.post_sse(server.url + "/v1/chat/completions", {"stream": True})
-        assert done and events == [{"i": 0}, {"i": 1}, {"i": 2}]
-        assert lib.counter_total(lib.get_text(server.url + "/metrics"), "vllm:prefix_cache_hits") == 7.0
-        with pytest.raises(lib.HttpError) as err:
-            lib.post_json(server.url + "/v1/completions", {"bad": True})
-        assert err.value.status == 400
     finally:
         server.stop(grace_s=5)
     assert server.proc.poll() is not None
     log = server.log_text()
-    assert log.startswith("$ ") and "starting stand-in server ok" in log
+    assert log.startswith(f"$ {fake_python} -m vllm.entrypoints.cli.main serve") and "stand-in server ok" in log
 
 
 def test_server_that_dies_fails_with_its_log_tail(tmp_path, fake_python):
-    server = lib.ServerProcess(stand_in_spec(tmp_path, "dies"), tmp_path / "server.log", {}, fake_python)
+    server = lib.SmokeServer(stand_in_spec(tmp_path, "dies"), tmp_path / "server.log", {}, fake_python)
     server.launch()
-    with pytest.raises(lib.ServerStartError) as err:
+    with pytest.raises(serving.ServerStartError) as err:
         server.wait_healthy(timeout_s=30)
-    assert "exited with code 3" in str(err.value)
+    assert "fake-dies exited with code 3" in str(err.value)
     assert "starting stand-in server dies" in str(err.value)
     assert lib.WNA16_KERNEL_RE.findall(server.log_text()) == ["MarlinLinearKernel"]
 
@@ -276,28 +223,6 @@ def test_run_json_children_collects_records_exit_codes_and_timeouts(tmp_path):
     assert (runs["writes"].rc, runs["writes"].record, runs["writes"].log) == (0, {"n": 1}, "hello\n")
     assert (runs["fails"].rc, runs["fails"].record) == (3, {}) and "boom" in runs["fails"].log
     assert (runs["hangs"].rc, runs["hangs"].record) == ("timeout", {})
-
-
-# ------------------------------------------------------------------------------------------------
-# /metrics
-
-METRICS_PAGE = """\
-# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
-# TYPE vllm:prefix_cache_hits_total counter
-vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 800.0
-vllm:prefix_cache_hits_total{engine="1",model_name="tiny"} 4.0
-vllm:prefix_cache_hits_created{engine="0",model_name="tiny"} 1.7e9
-vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 1404.0
-vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="tiny"} 1.28e3
-"""
-
-
-def test_counter_total_sums_label_sets_and_ignores_created():
-    assert lib.counter_total(METRICS_PAGE, "vllm:prefix_cache_hits") == 804.0
-    assert lib.counter_total(METRICS_PAGE, "vllm:prefix_cache_queries") == 1404.0
-    assert lib.counter_total(METRICS_PAGE, "vllm:spec_decode_num_draft_tokens") == 1280.0
-    with pytest.raises(KeyError):
-        lib.counter_total(METRICS_PAGE, "vllm:prefix_cache_misses")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -514,7 +439,7 @@ def test_build_report_and_atomic_write(tmp_path):
     assert report["versions"]["torch"] == torch.__version__
     assert set(report) >= {"date", "gpu", "versions", "patches", "tests", "phases_s", "measurements"}
     path = tmp_path / "out" / "gpu-smoke-h200.json"
-    lib.write_json_atomic(path, report)
+    serving.write_json_atomic(path, report)
     assert json.loads(path.read_text())["measurements"]["prefix_cache"]["cached_tokens_second"] == 2944
     assert [p.name for p in path.parent.iterdir()] == ["gpu-smoke-h200.json"]
     assert math.isfinite(report["phases_s"]["runner_total"])

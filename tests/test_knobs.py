@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -15,15 +17,34 @@ from qwen_serving.knobs import KNOBS, KnobError, Ref
 REPO = Path(__file__).resolve().parents[1]
 TABLES = {"README.md": "common", "batch/README.md": "batch", "single-user/README.md": "single"}
 ISSUE_KNOBS = """MODEL HOST PORT MAX_SEQS MAX_LEN GPU_UTIL KV_MEM CTX KV SPEC DRAFT_TOKENS DFLASH_TOKENS DFLASH_MAX_LEN
-DRAFT DRAFT_SAMPLE LOOKUP SPEC_ATTN MTP_DRAFT_VOCAB PREFIX_CACHE INT8_ACT INT8_LAYERS PREFILL_ATTN TOOLS
-TOOL_PARSER VISION VISION_OFFLOAD REQ_METRICS API_SERVERS ASYNC_SCHED CUDAGRAPH_MODE EXTRA_ARGS""".split()
+DRAFT DRAFT_SAMPLE SPEC_ATTN MTP_DRAFT_VOCAB PREFIX_CACHE INT8_ACT INT8_LAYERS PREFILL_ATTN TOOLS
+TOOL_PARSER VISION REQ_METRICS API_SERVERS ASYNC_SCHED CUDAGRAPH_MODE EXTRA_ARGS""".split()
+# knobs for features not built yet: offered again when the issue that builds them lands them
+NOT_BUILT = ("LOOKUP", "VLLM_DFLASH2_LOOKUP_NMIN", "VISION_OFFLOAD")
 
 
 def test_every_knob_the_launchers_promise_exists():
     names = {k.name for k in KNOBS}
     assert set(ISSUE_KNOBS) <= names
-    assert {f"VLLM_DFLASH2_LOOKUP_{n}" for n, _, _ in knobs.LOOKUP_SUBKNOBS} <= names
+    assert not names & set(NOT_BUILT)
     assert len(names) == len(KNOBS)
+
+
+def test_values_has_one_typed_field_per_knob():
+    fields = [f.name for f in dataclasses.fields(knobs.Values)]
+    assert fields == ["mode", "explicit", *(k.name.lower() for k in KNOBS)]
+    for mode in knobs.MODES:
+        v = knobs.Values.of(mode, knobs.resolve(mode, {}))
+        hints = typing.get_type_hints(knobs.Values)
+        for k in KNOBS:
+            assert isinstance(getattr(v, k.name.lower()), hints[k.name.lower()]), (mode, k.name)
+    assert knobs.Values.of("batch", knobs.resolve("batch", {})).spec == "off"  # batch never speculates
+
+
+def test_every_rendering_knob_has_one_place_in_the_render_order():
+    rendering = {k.name for k in KNOBS if k.argv or k.export}
+    order = [n for n in knobs.RENDER_ORDER if n != knobs.BATCHED_TOKENS]
+    assert sorted(order) == sorted(rendering) and len(order) == len(set(order))
 
 
 def test_rules_only_read_knobs_resolved_before_them():
@@ -32,7 +53,7 @@ def test_rules_only_read_knobs_resolved_before_them():
         names = {k.name for k in knobs.knobs_for(mode)}
         for knob in knobs.knobs_for(mode):
             for rule in knob.defaults:
-                if "mode" in rule.when and not knobs._holds(rule.when["mode"], mode):
+                if "mode" in rule.when and not knobs.holds(rule.when["mode"], mode):
                     continue
                 if any(key != "mode" and key not in names for key in rule.when):
                     continue  # a rule for the other mode's knobs never matches here
@@ -53,6 +74,8 @@ def test_every_default_is_a_value_its_own_parser_accepts(mode):
                 continue
             assert knob.parse(str(rule.value)) == rule.value, knob.name
         assert knob.doc and "\n" not in knob.doc
+        for sample in knob.samples:  # tests/test_knob_effects.py tries each knob at these
+            knob.parse(sample)
 
 
 def test_resolve_reads_env_and_falls_back_to_rules():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen_serving import memory
+from qwen_serving import memory, model
 from qwen_serving.memory import CacheShape, GiB
 
 KV_MEM = 5_583_457_484  # the spec's pinned 5.2 GiB pool
@@ -30,7 +30,7 @@ def test_kv_bytes_per_token_match_vllm_specs(kv_dtype):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
 
     dtype = {"auto": torch.bfloat16, "fp8": torch.float8_e4m3fn}.get(kv_dtype, torch.int8)
-    spec = FullAttentionSpec(block_size=1, num_kv_heads=4, head_size=256, dtype=dtype,
+    spec = FullAttentionSpec(block_size=1, num_kv_heads=model.KV_HEADS, head_size=model.HEAD_DIM, dtype=dtype,
                              kv_quant_mode=get_kv_quant_mode(kv_dtype))
     spec = TritonAttentionBackend.customize_spec(spec)
     assert memory.kv_bytes_per_token_layer(kv_dtype) == spec.page_size_bytes
@@ -41,7 +41,8 @@ def test_gdn_state_matches_vllm_state_shape(k):
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, 16, 48, 128, 128, 4, k)
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
+        1, model.GDN_K_HEADS, model.GDN_V_HEADS, model.GDN_HEAD_DIM, model.GDN_HEAD_DIM, model.CONV_KERNEL, k)
     spec = MambaSpec(block_size=1, shapes=shapes, dtypes=(torch.bfloat16, torch.float16))
     assert memory.gdn_state_bytes_per_layer("float16", k) == spec.page_size_bytes
 
@@ -56,15 +57,15 @@ def test_groups_match_the_vllm_under_test():
     patched = "choose_group_size" in inspect.getsource(kv_cache_utils._get_kv_cache_groups_uniform_page_size)
     shape = CacheShape(spec="dflash2", spec_tokens=7, kv_group_fix=patched)
     bs, page = shape.block_size, shape.page_bytes
-    full = FullAttentionSpec(block_size=bs, num_kv_heads=4, head_size=256, dtype=torch.bfloat16)
+    full = FullAttentionSpec(block_size=bs, num_kv_heads=model.KV_HEADS, head_size=model.HEAD_DIM, dtype=torch.bfloat16)
     assert full.page_size_bytes == page
-    window = SlidingWindowSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
-                               sliding_window=memory.DRAFTER_WINDOW)
+    window = SlidingWindowSpec(block_size=bs, num_kv_heads=model.DRAFTER_KV_HEADS, head_size=model.DRAFTER_HEAD_DIM,
+                               dtype=torch.bfloat16, sliding_window=model.DRAFTER_WINDOW)
     assert window.page_size_bytes == page  # the drafter's pages line up with the target's
-    gdn = MambaSpec(block_size=bs, shapes=((10, memory.CONV_DIM), (48, 128, 128)),
-                    dtypes=(torch.bfloat16, torch.float16), page_size_padded=page)
-    layers = {**{f"a.{i}": full for i in range(16)}, **{f"g.{i}": gdn for i in range(48)},
-              **{f"w.{i}": window for i in range(5)}}
+    gdn = MambaSpec(block_size=bs, shapes=model.gdn_state_shapes(7), dtypes=(torch.bfloat16, torch.float16),
+                    page_size_padded=page)
+    layers = {**{f"a.{i}": full for i in range(model.ATTN_LAYERS)}, **{f"g.{i}": gdn for i in range(model.GDN_LAYERS)},
+              **{f"w.{i}": window for i in range(model.DRAFTER_LAYERS)}}
     groups = kv_cache_utils._get_kv_cache_groups_uniform_page_size(layers)
     by_kind = {"attention": FullAttentionSpec, "gdn": MambaSpec, "window": SlidingWindowSpec}
     assert {k: sum(type(g.kv_cache_spec) is t for g in groups) for k, t in by_kind.items()} == shape.groups
@@ -162,7 +163,7 @@ def test_prefix_cache_costs_one_state_page_per_group():
 
 def test_weights_from_the_architecture():
     """Spec: lm_head and embed_tokens 2.5 GB each in bf16, MTP module 850 MB bf16, ~2.6 GB freed."""
-    table = memory.VOCAB * memory.HIDDEN
+    table = model.VOCAB * model.HIDDEN
     assert within(table * 2 / 1e9, 2.54, 0.01)
     assert within(memory.mtp_params() * 2 / 1e6, 850, 0.01)
     freed = 2 * (table * 2 - memory.int_bytes(table, 8))

@@ -174,7 +174,7 @@ def test_real_series_applies_to_pristine_vllm(pristine_vllm, tmp_path):
     """The shipped series on the files it touches, copied from the pristine pinned package."""
     patches = patchset.read_series(patchset.DEFAULT_SERIES)
     tree = tmp_path / "vllm"
-    for rel in ["__init__.py", "_version.py", *patchset._all_files(patches)]:
+    for rel in ["__init__.py", "_version.py", *patchset.series_files(patches)]:
         if (pristine_vllm / rel).is_file():
             (tree / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(pristine_vllm / rel, tree / rel)
@@ -197,7 +197,7 @@ def test_real_series_with_a_broken_patch_changes_nothing(pristine_vllm, tmp_path
     series.write_text("\n".join(lines + [str(broken)]) + "\n")
     patches = patchset.read_series(series)
     tree = tmp_path / "vllm"
-    for rel in ["__init__.py", "_version.py", *patchset._all_files(patches)]:
+    for rel in ["__init__.py", "_version.py", *patchset.series_files(patches)]:
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(pristine_vllm / rel, tree / rel)
     before = tree_digest(tree)

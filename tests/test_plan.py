@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,29 +34,14 @@ def probe(tmp_path, vllm_facts) -> Probe:
                  vllm_env=vllm_facts.vllm_env, tool_parsers=vllm_facts.tool_parsers)
 
 
-@pytest.fixture(scope="module")
-def serve_parser():
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    root = FlexibleArgumentParser(prog="vllm")
-    ServeSubcommand().subparser_init(root.add_subparsers(dest="subparser"))
-    return root
-
-
-def parse(serve_parser, argv: tuple[str, ...], kv_dtypes: frozenset[str]):
+def parse(vllm_cli, argv: tuple[str, ...], kv_dtypes: frozenset[str]):
     """Parse argv (starting `vllm serve`) like `vllm serve` does, then build EngineArgs."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-
     assert argv[:2] == ("vllm", "serve")
     args = list(argv[1:])
     if "kvarn" not in kv_dtypes and "kvarn" in args:
         # KVarN is not in the series yet; its dtype is the one word this vLLM cannot know.
         args[args.index("kvarn")] = "int4_per_token_head"
-    ns = serve_parser.parse_args(args)
-    ServeSubcommand().validate(ns)
-    return ns, EngineArgs.from_cli_args(ns)
+    return vllm_cli.serve(args)
 
 
 EXAMPLES = [
@@ -77,15 +63,15 @@ EXAMPLES = [
     ("single", {"SPEC": "dflash2", "INT8_ACT": "int8", "INT8_LAYERS": "mlp", "PREFILL_ATTN": "int8"}),
     ("single", {"VISION": "1", "REQ_METRICS": "1"}),
     ("single", {"CTX": "huge", "CUDAGRAPH_MODE": "FULL_AND_PIECEWISE", "DRAFT_SAMPLE": "greedy", "TOOLS": "0"}),
-    ("single", {"SPEC": "dflash2", "KV_MEM": "5.2GiB", "LOOKUP": "0"}),
+    ("single", {"SPEC": "dflash2", "KV_MEM": "5.2GiB"}),
 ]
 
 
 @pytest.mark.parametrize(("mode", "env"), EXAMPLES, ids=[f"{m}-{'-'.join(f'{k}={v}' for k, v in e.items()) or 'default'}"
                                                           for m, e in EXAMPLES])
-def test_spec_examples_parse_through_vllm_serve(mode, env, probe, serve_parser):
+def test_spec_examples_parse_through_vllm_serve(mode, env, probe, vllm_cli):
     p = plan.build(mode, env, probe)
-    ns, ea = parse(serve_parser, p.argv, probe.kv_dtypes - {"kvarn"})
+    ns, ea = parse(vllm_cli, p.argv, probe.kv_dtypes - {"kvarn"})
     s = {k: v.value for k, v in p.settings.items()}
     assert ea.max_num_seqs == s["MAX_SEQS"] and ea.max_model_len == s["MAX_LEN"]
     assert ea.host == s["HOST"] if hasattr(ea, "host") else ns.host == s["HOST"]
@@ -111,12 +97,12 @@ def test_spec_examples_parse_through_vllm_serve(mode, env, probe, serve_parser):
         assert ea.tensor_parallel_size == 2
 
 
-def test_prefix_cache_0_turns_off_what_0_28_turns_on(probe, serve_parser):
+def test_prefix_cache_0_turns_off_what_0_28_turns_on(probe, vllm_cli):
     """vLLM 0.28.0 enables prefix caching for hybrids by default: PREFIX_CACHE=0 must say no."""
     argv = plan.build("single", {"PREFIX_CACHE": "0"}, probe).argv
     assert "--no-enable-prefix-caching" in argv
     bare = [a for a in argv if a != "--no-enable-prefix-caching"]
-    _, ea = parse(serve_parser, tuple(bare), probe.kv_dtypes)
+    _, ea = parse(vllm_cli, tuple(bare), probe.kv_dtypes)
     assert ea.enable_prefix_caching is None  # left to vLLM, which then turns it on for this model
 
 
@@ -134,7 +120,7 @@ def test_defaults_by_mode(probe):
     assert huge.value("MAX_SEQS") == 2
     d = plan.build("single", {"SPEC": "dflash2"}, probe)
     assert d.kv_mem == knobs.KV_MEM_PINNED and "--no-async-scheduling" in d.argv
-    assert d.env["VLLM_DFLASH2_LOOKUP"] == "1" and d.env["VLLM_DFLASH2_LOOKUP_STICKY"] == "3"
+    assert d.env == {"VLLM_SPEC_DECODE_ATTN": "1"}  # no stub exports (the lookup drafter is not built yet)
 
 
 def test_every_automatic_adjustment_is_printed(probe):
@@ -169,8 +155,9 @@ def test_refuse_dflash2_without_drafter(tmp_path, vllm_facts):
 
 def test_refuse_huge_without_long_context_kv(probe, vllm_facts):
     stock = Probe(repo=probe.repo, kv_dtypes=vllm_facts.kv_dtypes - {"kvarn"})
-    refused("single", {"CTX": "huge"}, stock, "bash kvarn/install.sh")
-    refused("batch", {"KV": "kvarn"}, stock, "KV=int4pth")
+    for mode, env, fix in (("single", {"CTX": "huge"}, "CTX=long"), ("batch", {"KV": "kvarn"}, "KV=int4pth")):
+        msg = refused(mode, env, stock, "the KVarN cache is not built yet")
+        assert fix in msg and "install.sh" not in msg
 
 
 def test_refuse_open_host_without_key(probe):
@@ -228,7 +215,15 @@ def test_refuse_known_bad_combinations(probe):
     refused("single", {"CTX": "long", "DRAFT_TOKENS": "4"}, probe, "DRAFT_TOKENS=3")
     refused("single", {"REQ_METRICS": "1", "EXTRA_ARGS": "--disable-log-stats"}, probe, "drop one")
     refused("single", {"EXTRA_ARGS": "--api-key abc"}, probe, "VLLM_API_KEY")
-    refused("single", {"SPEC": "dflash2", "VLLM_DFLASH2_LOOKUP_NMIN": "13"}, probe, "NMAX")
+
+
+@pytest.mark.parametrize("layers", ["mlp|linear_attn", "linear_attn|mlp", "linear_attn|mlp|mlp"])
+def test_refuse_the_mlp_and_gdn_layer_set_in_any_order(layers, probe):
+    msg = refused("batch", {"INT8_LAYERS": layers}, probe, "crashes inductor")
+    assert f"INT8_LAYERS={layers}" in msg
+    assert plan.build("batch", {"INT8_LAYERS": layers, "INT8_ACT": "off"}, probe)  # no int8: nothing to crash
+    for fine in ("mlp", "mlp|linear_attn|self_attn", "linear_attn"):
+        assert plan.build("batch", {"INT8_LAYERS": fine}, probe).env["VLLM_MARLIN_INT8_INCLUDE_RE"] == fine
 
 
 def test_misspelt_knobs_are_named(probe):
@@ -242,6 +237,32 @@ def test_misspelt_knobs_are_named(probe):
     assert "HOME" not in text and "PATH" not in text and "FLASHINFER" not in text
     b = plan.build("batch", {"SPEC": "dflash2"}, probe)
     assert any("SPEC is a single knob; batch mode ignores it" in w for w in b.warnings)
+
+
+def test_rules_written_once_give_the_default_and_the_refusal(probe):
+    """Each Limit is one datum: unset, the knob takes the bound; set past it, the same rule refuses or warns."""
+    cases = [  # (mode, conditions, knob, a value past the bound, refused?)
+        ("single", {"CTX": "long"}, "DRAFT_TOKENS", "4", True),
+        ("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15"}, "MAX_SEQS", "5", True),
+        ("single", {"SPEC": "dflash2"}, "ASYNC_SCHED", "1", True),
+        ("single", {"CTX": "huge"}, "CUDAGRAPH_MODE", "FULL", False),
+        ("batch", {"INT8_LAYERS": "."}, "GPU_UTIL", "0.97", False),
+    ]
+    limits = {k.name: rule for k in knobs.KNOBS for rule in k.defaults if isinstance(rule, knobs.Limit)}
+    assert set(limits) == {knob for _, _, knob, _, _ in cases}
+    for mode, env, knob, past, refuses in cases:
+        default = plan.build(mode, env, probe)
+        assert default.value(knob) == limits[knob].value and not default.warnings
+        assert any(n.startswith(f"{knob}={limits[knob].value} because") for n in default.notes)
+        if refuses:
+            refused(mode, {**env, knob: past}, probe, f"{knob}=")
+        else:
+            assert any(f"{knob}={past}" in w for w in plan.build(mode, {**env, knob: past}, probe).warnings)
+
+
+def test_dflash2_with_vision_warns(probe):
+    p = plan.build("single", {"SPEC": "dflash2", "VISION": "1"}, probe)
+    assert any("VISION=1 does not boot" in w for w in p.warnings)
 
 
 def test_wsl2_gets_pinned_memory_for_dflash2(probe):
@@ -331,6 +352,34 @@ def test_dry_run_does_not_import_vllm():
 def test_refusal_exits_2_and_names_the_fix():
     r = run_cli("batch", "--dry-run", env={"HOST": "0.0.0.0"})
     assert r.returncode == 2 and "refusing to start" in r.stderr and "VLLM_API_KEY" in r.stderr and not r.stdout
+
+
+@pytest.fixture(scope="module")
+def prepared_base(tmp_path_factory) -> Path:
+    """A repo whose base checkpoint (the tiny synthetic one) went through prepare/build_draft_vocab.py."""
+    tiny = tmp_path_factory.getbasetemp() / "synth-tiny-seed0"  # the path the prepare tests generate it at
+    if not (tiny / "config.json").exists():
+        synth = [sys.executable, "-m", "qwen_serving.checkpoint.synth", "--size", "tiny", "--seed", "0", "--out", str(tiny)]
+        subprocess.run(synth, check=True, cwd=REPO, capture_output=True, timeout=300)
+    repo = tmp_path_factory.mktemp("repo")
+    base = repo / knobs.BASE_MODEL
+    shutil.copytree(tiny, base)
+    (repo / "ids.json").write_text(json.dumps({"ids": [1, 2, 3]}))
+    assert not (base / "prepared.json").exists()
+    return repo
+
+
+def test_a_prepared_draft_head_is_not_rebuilt(prepared_base):
+    """The name the draft-head step records in prepared.json is the one the plan looks for."""
+    probe = Probe(repo=prepared_base)
+    draft_step = "prepare/build_draft_vocab.py"
+    assert any(draft_step in s.command for s in plan.build("single", {}, probe).missing)
+    subprocess.run([sys.executable, str(REPO / draft_step), str(prepared_base / knobs.BASE_MODEL), "--ids",
+                    str(prepared_base / "ids.json")], check=True, capture_output=True, timeout=300)
+    recorded = json.loads((prepared_base / knobs.BASE_MODEL / "prepared.json").read_text())["steps"]
+    assert list(recorded) == ["draft_vocab"]
+    missing = [s.command for s in plan.build("single", {}, probe).missing]
+    assert not any(draft_step in c for c in missing) and any("quant_lm_head" in c for c in missing)
 
 
 def test_missing_lists_first_start_commands(tmp_path):

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_prepare_steps import EPOCH, REPO, load_check, make_tiny, run, tree_state
 
 from qwen_serving.checkpoint import ct_config, draft_vocab
 from qwen_serving.checkpoint.model_dir import ModelDir
 from qwen_serving.checkpoint.steps import DRAFT_HEAD
+from tests.helpers.tiny_checkpoint import EPOCH, REPO, load_check, make_tiny, run, tree_state
 
 
 def test_top_k_and_coverage_on_a_small_known_distribution():

@@ -13,12 +13,12 @@ import huggingface_hub
 import numpy as np
 import pytest
 import torch
-from test_prepare_steps import EPOCH, REPO, load_check, make_tiny, run, tree_state
 
 from qwen_serving.checkpoint import hub, steps
 from qwen_serving.checkpoint.int4 import pack_int4, quantize_int4_groups
 from qwen_serving.checkpoint.model_dir import CheckpointError, ModelDir
 from qwen_serving.checkpoint.safetensors_io import array_tensor, to_f32, write_file
+from tests.helpers.tiny_checkpoint import EPOCH, REPO, load_check, make_tiny, run, tree_state
 
 sys.path.insert(0, str(REPO / "prepare"))
 

@@ -18,9 +18,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from test_prepare_steps import EPOCH, REPO, STEPS, load_check, make_tiny, run, tree_state
-
 from qwen_serving.checkpoint import transaction
+from tests.helpers.tiny_checkpoint import EPOCH, REPO, STEPS, load_check, make_tiny, run, tree_state
 
 TRIALS = 24
 

@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
-from test_prepare_steps import EPOCH, REPO, STEPS, make_tiny, run
 
 from qwen_serving.checkpoint import prepare_status, transaction
 from qwen_serving.checkpoint.safetensors_io import SafetensorsFile
+from tests.helpers.tiny_checkpoint import EPOCH, REPO, STEPS, make_tiny, run
 
 
 @pytest.fixture

@@ -2,35 +2,18 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from qwen_serving.checkpoint import ct_config, int8, rewrite, steps, transaction
+from qwen_serving.checkpoint import int8, rewrite, steps, transaction
 from qwen_serving.checkpoint.model_dir import ModelDir
 from qwen_serving.checkpoint.safetensors_io import SafetensorsFile, array_tensor, to_f32, write_file
-
-REPO = Path(__file__).resolve().parents[1]
-STEPS = ("quant_lm_head", "quant_embed", "quant_mtp")
-EPOCH = "1700000000"
-
-
-def make_tiny(tmp_path_factory) -> Path:
-    """The tiny synthetic checkpoint (qwen_serving.checkpoint.synth), generated once per test session."""
-    path = tmp_path_factory.getbasetemp() / "synth-tiny-seed0"
-    if not (path / "config.json").exists():
-        subprocess.run(
-            [sys.executable, "-m", "qwen_serving.checkpoint.synth", "--size", "tiny", "--out", str(path), "--seed", "0"],
-            check=True, cwd=REPO, capture_output=True,
-        )
-    return path
+from tests.helpers.tiny_checkpoint import EPOCH, STEPS, load_check, make_tiny, run, tree_state
 
 
 @pytest.fixture(scope="session")
@@ -45,38 +28,6 @@ def model(tiny_source, tmp_path, monkeypatch) -> Path:
     dest.parent.mkdir()
     shutil.copytree(tiny_source, dest)
     return dest
-
-
-def tree_state(path: Path) -> dict[str, str]:
-    """relative path -> sha256 of every file under path."""
-    state = {}
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        state[file.relative_to(path).as_posix()] = hashlib.sha256(file.read_bytes()).hexdigest()
-    return state
-
-
-def load_check(path: Path) -> None:
-    """The checkpoint loads: strict completeness, the safetensors library reads every indexed
-    tensor, and every packed module resolves to a config group of its own bit width."""
-    from safetensors import safe_open
-
-    model = ModelDir.open(path)
-    for shard in sorted(set(model.weight_map.values())):
-        with safe_open(str(path / shard), framework="pt") as f:
-            for name in f.keys():
-                f.get_tensor(name)
-    qc = model.quantization_config
-    for module in sorted({t.rsplit(".", 1)[0] for t in model.weight_map}):
-        bits = steps.packed_bits(model, module)
-        if bits is None:
-            continue
-        for name in ct_config.engine_names(module):
-            assert ct_config.describes(ct_config.resolve(qc, name, ct_config.engine_class(module)), bits, 128), name
-    assert not transaction.leftovers(path) or True  # leftovers live beside the model, never inside it
-
-
-def run(path: Path, step: str) -> int:
-    return steps.run(str(path), step)
 
 
 def test_round_trip_error_bounds():
@@ -242,7 +193,7 @@ def test_commit_without_rename_exchange(model, tiny_source, tmp_path, monkeypatc
     reference = tmp_path / "ref" / "tiny"
     shutil.copytree(tiny_source, reference)
     assert run(reference, "quant_embed") == 0
-    monkeypatch.setattr(transaction, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(transaction, "exchange_paths", lambda a, b: False)
     assert run(model, "quant_embed") == 0
     assert tree_state(model) == tree_state(reference)
     assert not transaction.leftovers(model)

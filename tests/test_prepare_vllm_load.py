@@ -19,9 +19,8 @@ import subprocess
 import sys
 import textwrap
 
-from test_prepare_steps import REPO, make_tiny, run
-
 from qwen_serving.checkpoint import steps
+from tests.helpers.tiny_checkpoint import REPO, make_tiny, run
 
 _LOAD = textwrap.dedent(
     """

@@ -160,6 +160,6 @@ def test_codes_use_the_rounded_scale():
 
 @pytest.fixture(scope="session")
 def tiny_source(tmp_path_factory):
-    from test_prepare_steps import make_tiny
+    from tests.helpers.tiny_checkpoint import make_tiny
 
     return make_tiny(tmp_path_factory)

@@ -22,9 +22,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from engine_trees import load, tree
 
 from qwen_serving.engine.kernels.topk_topp import top_k_top_p_probs, top_k_top_p_reference
+from tests.helpers.engine_trees import load, tree
 
 VOCAB = 256
 ROW_COUNTS = [1, 4, 8, 16, 64]

@@ -139,10 +139,10 @@ def test_a_float16_state_is_read_and_written_in_float16(interpreted_kernels):
 
 
 def test_state_bytes_match_the_memory_model():
-    from qwen_serving import memory
+    from qwen_serving import memory, model
 
     for dt in sd.STATE_DTYPES:
-        conv = (memory.CONV_KERNEL - 1) * memory.CONV_DIM * 2
+        conv = (model.CONV_KERNEL - 1) * model.CONV_DIM * 2
         assert memory.gdn_state_bytes(dt) == sd.REAL.layers * (sd.state_bytes(sd.REAL, dt) + conv)
     assert sd.state_bytes(sd.REAL, "float16") == 48 * 128 * 128 * 2  # 1.5 MiB per layer
     # a verify step of 5 tokens reads the state once and writes it 5 times: 6 sweeps per request

@@ -41,7 +41,7 @@ def fake_checkout(tmp_path: Path) -> Path:
     (bin_dir / "python").write_text('#!/usr/bin/env bash\n[ "$1" = -m ] && exec python3 "$@"\n'
                                     'echo "$*" >> "$(dirname "$0")/../../steps.log"\n')
     (bin_dir / "vllm").write_text('#!/usr/bin/env bash\necho "$* | key=$VLLM_API_KEY | '
-                                  'lookup=${VLLM_DFLASH2_LOOKUP:-}" > "$(dirname "$0")/../../vllm.log"\n')
+                                  'spec_attn=${VLLM_SPEC_DECODE_ATTN:-}" > "$(dirname "$0")/../../vllm.log"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     return root
@@ -66,7 +66,8 @@ def test_first_start_runs_missing_steps_then_execs_vllm(tmp_path):
     assert "== first start, step 1/" in r.stdout
     served = (root / "vllm.log").read_text()
     assert served.startswith("serve models/Qwen3.8-27B-W4A16-AutoRound ") and "--host 0.0.0.0" in served
-    assert served.endswith("| key=file-key | lookup=1\n")  # the key came through the environment only
+    # the key came through the environment only, beside the plan's exports (the LOOKUP stub is gone: knobs branch)
+    assert served.endswith("| key=file-key | spec_attn=1\n")
     assert "file-key" not in served.split("|")[0] and "file-key" not in r.stdout + r.stderr
 
 

@@ -15,14 +15,14 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench import fullbench as fb  # noqa: E402
-from bench.report import write_json_atomic  # noqa: E402
+from bench import serving  # noqa: E402
+from bench.serving import write_json_atomic  # noqa: E402
 from qwen_serving import plan  # noqa: E402
 
 RUN_TIMEOUT_S = 1200
@@ -32,45 +32,28 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-            return r.status == 200
-    except OSError:
-        return False
+class Server(serving.ServerProcess):
+    """One config's server, with where it stands: new -> starting -> up | died | timeout -> stopped."""
 
-
-class Server:
     def __init__(self, cfg: fb.BenchConfig, cmd: fb.ServerCommand, port: int, pythonpath: str, log_path: Path):
-        self.cfg, self.cmd, self.port, self.pythonpath, self.log_path = cfg, cmd, port, pythonpath, log_path
-        self.proc: subprocess.Popen | None = None
-        self.state = "new"  # new -> starting -> up | died | timeout -> stopped
+        super().__init__(cfg.name, cmd.argv, port, log_path, env={**os.environ, **cmd.env, "PYTHONPATH": pythonpath})
+        self.cfg, self.cmd, self.pythonpath = cfg, cmd, pythonpath
+        self.state = "new"
 
     def start(self) -> None:
-        env = {**os.environ, **self.cmd.env, "PYTHONPATH": self.pythonpath}
-        with open(self.log_path, "w") as out:
-            self.proc = subprocess.Popen(self.cmd.argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)  # its own process group: stop() takes it all
+        self.launch()
         self.state = "starting"
 
     def poll(self) -> str:
         if self.state == "starting":
-            if healthy(self.port):
+            if self.healthy():
                 self.state = "up"
-            elif self.proc.poll() is not None:
+            elif self.exit_code() is not None:
                 self.state = "died"
         return self.state
 
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
+    def stop(self, grace_s: float = 60) -> None:
+        super().stop(grace_s)
         if self.state in ("starting", "up"):
             self.state = "stopped"
 
@@ -121,11 +104,8 @@ def build_servers(args: argparse.Namespace, out: Path) -> list[Server]:
     servers = []
     for i, name in enumerate(args.configs):
         cfg = fb.CONFIGS[name]
-        paths = [str(args.site)]
-        probe = None
-        if cfg.patched:
-            paths.insert(0, str(args.patched_site))
-            probe = plan.Probe.detect(REPO, vllm_dir=args.patched_site / "vllm")
+        paths = [str(args.patched_site), str(args.site)] if cfg.patched else [str(args.site)]
+        probe = plan.Probe.detect(REPO, vllm_dir=Path(paths[0]) / "vllm")  # the vllm this server runs
         traces = out / f"traces-{name}"
         port = args.base_port + i
         cmd = fb.server_command(cfg, python=args.python, ckpt=args.ckpt, port=port, traces=traces, probe=probe)

@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 
-from qwen_serving.checkpoint import ct_config, int8
+from qwen_serving.checkpoint import ct_config, int8, step_names
 from qwen_serving.checkpoint.console import say
 from qwen_serving.checkpoint.int8 import Int8Matrix
 from qwen_serving.checkpoint.model_dir import CheckpointError, ModelDir, find_embed_tokens, text_config
@@ -88,13 +88,13 @@ def build_lm_head(model: ModelDir) -> Change:
     _already_quantized(model, "lm_head")
     if not model.has("lm_head.weight"):
         raise CheckpointError(f"{model.path}: no lm_head.weight")
-    return _int8_change(model, "quant_lm_head", "prepare/quant_lm_head.py", ["lm_head"], "lm_head")
+    return _int8_change(model, step_names.QUANT_LM_HEAD, "prepare/quant_lm_head.py", ["lm_head"], "lm_head")
 
 
 def build_embed(model: ModelDir) -> Change:
     module = find_embed_tokens(model)
     _already_quantized(model, module)
-    return _int8_change(model, "quant_embed", "prepare/quant_embed.py", [module], "embed_tokens")
+    return _int8_change(model, step_names.QUANT_EMBED, "prepare/quant_embed.py", [module], "embed_tokens")
 
 
 def mtp_linears(model: ModelDir) -> list[str]:
@@ -117,7 +117,7 @@ def build_mtp(model: ModelDir) -> Change:
     odd = [m for m in modules if model.info(f"{m}.weight").shape[1] % int8.GROUP_SIZE]
     if odd:
         raise CheckpointError(f"{odd[0]}: input size not a multiple of {int8.GROUP_SIZE}")
-    return _int8_change(model, "quant_mtp", "prepare/quant_mtp.py", modules, "mtp")
+    return _int8_change(model, step_names.QUANT_MTP, "prepare/quant_mtp.py", modules, "mtp")
 
 
 def build_draft_head(model: ModelDir, ids: list[int], source_note: str, coverage: dict | None = None) -> Change:
@@ -152,7 +152,7 @@ def build_draft_head(model: ModelDir, ids: list[int], source_note: str, coverage
     if coverage:
         record["coverage"] = coverage
     change = Change(
-        "draft_vocab",
+        step_names.DRAFT_VOCAB,  # the name plan.py looks for in prepared.json
         "prepare/build_draft_vocab.py",
         VERSION,
         set(),

@@ -33,8 +33,10 @@ from pathlib import Path
 
 import torch
 
+from qwen_serving import model
 from qwen_serving.checkpoint.int4 import GROUP_SIZE, negate_groups, pack_int4
 from qwen_serving.checkpoint.synth_tokenizer import tokenizer_size, write_tokenizer
+from qwen_serving.model import layer_types
 
 LM = "model.language_model."
 CODE_RMS = 4.5  # rms of uniform int4 codes: a scale of 1/(CODE_RMS*sqrt(in)) gives weights of std ~1/sqrt(in)
@@ -59,33 +61,18 @@ class TextDims:
     vision: dict
 
 
-REAL_VISION = {
-    "depth": 27,
-    "hidden_act": "gelu_pytorch_tanh",
-    "hidden_size": 1152,
-    "in_channels": 3,
-    "initializer_range": 0.02,
-    "intermediate_size": 4304,
-    "model_type": "qwen3_5",
-    "num_heads": 16,
-    "num_position_embeddings": 2304,
-    "out_hidden_size": 5120,
-    "patch_size": 16,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-}
 REAL = TextDims(
-    hidden=5120,
-    intermediate=17408,
-    heads=24,
-    kv_heads=4,
-    head_dim=256,
-    linear_key_heads=16,
-    linear_value_heads=48,
-    linear_head_dim=128,
-    conv_kernel=4,
-    vocab=248320,
-    vision=REAL_VISION,
+    hidden=model.HIDDEN,
+    intermediate=model.INTERMEDIATE,
+    heads=model.Q_HEADS,
+    kv_heads=model.KV_HEADS,
+    head_dim=model.HEAD_DIM,
+    linear_key_heads=model.GDN_K_HEADS,
+    linear_value_heads=model.GDN_V_HEADS,
+    linear_head_dim=model.GDN_HEAD_DIM,
+    conv_kernel=model.CONV_KERNEL,
+    vocab=model.VOCAB,
+    vision=model.VISION_CONFIG,
 )
 # Small, but the kernels see the real head geometry: attention head_dim 256 with a 6:1 GQA ratio,
 # GDN heads of dim 128 with 3 value heads per key head (the fused GDN decode kernel needs 128).
@@ -101,7 +88,7 @@ TINY = TextDims(
     conv_kernel=4,
     vocab=4096,
     vision={
-        **REAL_VISION,
+        **model.VISION_CONFIG,
         "depth": 2,
         "hidden_size": 128,
         "intermediate_size": 256,
@@ -111,7 +98,7 @@ TINY = TextDims(
     },
 )
 SIZES = {"tiny": TINY, "shape": REAL, "full": REAL}
-FULL_LAYERS = 64
+FULL_LAYERS = model.LAYERS
 MAX_SHARD_BYTES = {"tiny": 3_000_000, "shape": 5_000_000_000, "full": 5_000_000_000}
 
 
@@ -161,10 +148,6 @@ def _linear(module: str, out_features: int, in_features: int, quantized: bool) -
 def _norm(name: str, size: int, centre: str = "zero") -> Dense:
     # Qwen3.5's RMSNorms (vLLM: GemmaRMSNorm) scale by (1 + w); the GDN output norm by w.
     return Dense(name, (size,), torch.bfloat16, f"norm_{centre}", NORM_STD)
-
-
-def layer_types(num_layers: int) -> list[str]:
-    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
 
 
 def _attention(prefix: str, d: TextDims, quantized: bool) -> list[Entry]:
@@ -388,9 +371,9 @@ def model_config(d: TextDims, num_layers: int, ids: dict[str, int]) -> dict:
         "attention_dropout": 0.0,
         "attn_output_gate": True,
         "bos_token_id": ids["<|endoftext|>"],
-        "dtype": "bfloat16",
+        "dtype": model.DTYPE,
         "eos_token_id": ids["<|im_end|>"],
-        "full_attention_interval": 4,
+        "full_attention_interval": model.FULL_ATTENTION_INTERVAL,
         "head_dim": d.head_dim,
         "hidden_act": "silu",
         "hidden_size": d.hidden,
@@ -402,10 +385,10 @@ def model_config(d: TextDims, num_layers: int, ids: dict[str, int]) -> dict:
         "linear_num_key_heads": d.linear_key_heads,
         "linear_num_value_heads": d.linear_value_heads,
         "linear_value_head_dim": d.linear_head_dim,
-        "mamba_ssm_dtype": "float32",
-        "max_position_embeddings": 262144,
+        "mamba_ssm_dtype": model.CHECKPOINT_SSM_DTYPE,
+        "max_position_embeddings": model.MAX_POSITIONS,
         "model_type": "qwen3_5_text",
-        "mtp_num_hidden_layers": 1,
+        "mtp_num_hidden_layers": model.MTP_LAYERS,
         "mtp_use_dedicated_embeddings": False,
         "num_attention_heads": d.heads,
         "num_hidden_layers": num_layers,
@@ -425,7 +408,7 @@ def model_config(d: TextDims, num_layers: int, ids: dict[str, int]) -> dict:
     }
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "dtype": "bfloat16",
+        "dtype": model.DTYPE,
         "image_token_id": ids["<|image_pad|>"],
         "model_type": "qwen3_5",
         "quantization_config": quantization_config(d, num_layers),

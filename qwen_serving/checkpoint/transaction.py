@@ -52,7 +52,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _exchange(a: Path, b: Path) -> bool:
+def exchange_paths(a: Path, b: Path) -> bool:
     """Atomically swap two paths; False where the filesystem or kernel cannot."""
     libc = ctypes.CDLL(None, use_errno=True)
     renameat2 = getattr(libc, "renameat2", None)
@@ -137,7 +137,7 @@ def commit(model: Path, staging: Path) -> None:
     """Make `staging` the model directory, atomically, and drop the previous tree."""
     for root, _dirs, _files in os.walk(staging):
         fsync_dir(Path(root))
-    if _exchange(staging, model):
+    if exchange_paths(staging, model):
         fsync_dir(model.parent)
     else:
         old = old_path(model)

@@ -2,9 +2,10 @@
 
 Naming rule: a hook module is named `<component>_<change>`, where component is the part of vLLM it
 hooks (one of HOOK_COMPONENTS) and change says what it does there, e.g. `attn_routing` (which attention
-kernel a call takes) or `gdn_spec_bounds` (the GDN kernels' speculative-slot bounds). Patches import
-only from this package; nothing here imports the planning modules of `qwen_serving` (plan, knobs,
-memory, patchset, model). tests/test_structure.py enforces both.
+kernel a call takes), `gdn_spec_bounds` (the GDN kernels' speculative-slot bounds) or `env_vars` (the
+VLLM_* variables the patches add to vllm/envs.py). Patches import only from this package; nothing
+here imports the planning modules of `qwen_serving` (plan, knobs, memory, patchset, model).
+tests/test_structure.py enforces both.
 """
 
-HOOK_COMPONENTS = ("attn", "sampler", "marlin", "mtp", "kv", "gdn")
+HOOK_COMPONENTS = ("attn", "sampler", "marlin", "mtp", "kv", "gdn", "env")

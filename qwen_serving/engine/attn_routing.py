@@ -94,7 +94,12 @@ def verify_geometry(impl: Any, max_num_seqs: int, num_speculative_tokens: int | 
     return VerifyGeometry(one.num_heads, one.num_kv_heads, one.head_dim, one.max_batch, max_query_len, splits)
 
 
-_shared: dict[tuple, SpecAttention] = {}
+_shared: dict[tuple, SpecAttention] = {}  # (geometry, device) -> the kernel every such layer uses
+
+
+def release_verify_kernels() -> None:
+    """Drop the shared verify kernels and their scratch, so a rebuilt engine (or a test) allocates afresh."""
+    _shared.clear()
 
 
 def verify_attention_for(impl: Any, vllm_config: Any) -> SpecAttention | None:

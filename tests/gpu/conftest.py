@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import smoke_lib as lib
 
+from bench import serving
+
 HERE = Path(__file__).resolve().parent
 REPO, RESULTS, WORK = lib.REPO, lib.RESULTS, lib.WORK
 RESULT_JSON = "gpu-smoke-h200.json"
@@ -70,12 +72,12 @@ class Fleet:
 
     def __init__(self, record: dict):
         self.record = record
-        self.servers: dict[str, lib.ServerProcess] = {}
+        self.servers: dict[str, lib.SmokeServer] = {}
         self.errors: dict[str, str] = {}
         self.pgid_file = WORK / "server-pgids"
 
     def launch(self, key: str, spec: lib.ServerSpec) -> None:
-        server = lib.ServerProcess(spec, RESULTS / spec.log_name, lib.child_env(os.environ), python=sys.executable)
+        server = lib.SmokeServer(spec, RESULTS / spec.log_name, lib.child_env(os.environ), python=sys.executable)
         server.launch()
         assert server.proc is not None
         # run_on_device.sh kills these groups if pytest itself is killed before its teardown
@@ -84,7 +86,7 @@ class Fleet:
         self.servers[key] = server
         say(f"server {spec.key}: launched on port {server.port} (log {server.log_path.name})")
 
-    def ready(self, key: str) -> lib.ServerProcess:
+    def ready(self, key: str) -> lib.SmokeServer:
         if key in self.errors:
             pytest.fail(self.errors[key], pytrace=False)
         server = self.servers[key]
@@ -92,7 +94,7 @@ class Fleet:
             say(f"server {server.spec.key}: waiting for /health")
             try:
                 server.wait_healthy(SERVER_START_TIMEOUT_S)
-            except lib.ServerStartError as err:
+            except serving.ServerStartError as err:
                 self.errors[key] = str(err)
             if key in self.errors:
                 say(f"server {server.spec.key}: FAILED to start")
@@ -160,19 +162,19 @@ def _last_int(found: list[str]) -> int | None:
 
 
 @pytest.fixture(scope="session")
-def server_a(fleet) -> lib.ServerProcess:
+def server_a(fleet) -> lib.SmokeServer:
     """Tiny checkpoint, MTP speculation (4 tokens), prefix caching, qwen3_coder tool parser."""
     return fleet.ready("a")
 
 
 @pytest.fixture(scope="session")
-def server_b(fleet) -> lib.ServerProcess:
+def server_b(fleet) -> lib.SmokeServer:
     """Server A's configuration without speculation."""
     return fleet.ready("b")
 
 
 @pytest.fixture(scope="session")
-def server_c(fleet) -> lib.ServerProcess:
+def server_c(fleet) -> lib.SmokeServer:
     """Shape checkpoint (every real 27B matrix shape, 4 layers) with Marlin forced."""
     return fleet.ready("c")
 
@@ -244,5 +246,5 @@ def pytest_sessionfinish(session, exitstatus):
         patches=_patch_series_state(),
         runner_t0=os.environ.get("QS_GPU_RUNNER_T0"),
     )
-    lib.write_json_atomic(RESULTS / RESULT_JSON, report)
+    serving.write_json_atomic(RESULTS / RESULT_JSON, report)
     say(f"wrote {RESULTS / RESULT_JSON}")

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-import smoke_lib  # tests/gpu/smoke_lib.py: the script's folder is on sys.path
+from bench import serving  # the repo is on PYTHONPATH (smoke_lib.child_env)
 
 BATCH = 4
 NEW_TOKENS = 48
@@ -172,7 +172,7 @@ def main() -> int:
         record["routed"][name] = {k: routed[k] - before[k] for k in routed}
         record["shadow"][name] = shadow.snapshot()
         record["prompt_lens"] = {**record.get("prompt_lens", {}), name: [len(p["prompt_token_ids"]) for p in prompts]}
-    smoke_lib.write_json_atomic(out, record)
+    serving.write_json_atomic(out, record)
     return 0
 
 

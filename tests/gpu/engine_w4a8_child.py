@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-import smoke_lib  # tests/gpu/smoke_lib.py: the script's folder is on sys.path
+from bench import serving  # the repo is on PYTHONPATH (smoke_lib.child_env)
 
 TEXT = (
     "The lighthouse keeper wrote in the log every evening: the wind from the north-west, the sea "
@@ -66,7 +66,7 @@ def main() -> int:
         "perplexity": math.exp(-sum(logprobs) / len(logprobs)),
         "greedy": list(result.outputs[0].token_ids),
     }
-    smoke_lib.write_json_atomic(out, record)
+    serving.write_json_atomic(out, record)
     return 0
 
 

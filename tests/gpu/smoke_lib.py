@@ -1,5 +1,6 @@
-"""Plumbing for the GPU smoke tests (tests/gpu/test_smoke.py): server command lines, the server
-processes, HTTP calls, /metrics parsing, the near-tie rule for greedy comparisons and the result JSON.
+"""Plumbing for the GPU smoke tests (tests/gpu/test_smoke.py): server command lines and the servers
+(bench.serving's server process, HTTP client and /metrics parsing under them), child processes, the near-tie
+rule for greedy comparisons and the result JSON.
 
 Standard library only, so it imports on any machine; tests/test_gpu_smoke_lib.py runs it on CPU with
 fake data and checks the command lines against vLLM's own argument parsers.
@@ -11,18 +12,20 @@ import json
 import math
 import os
 import re
-import signal
-import socket
 import subprocess
+import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 GIB = 1 << 30
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # imported from a script run by hand, without the repo on PYTHONPATH
+    sys.path.insert(0, str(REPO))
+
+from bench import serving  # noqa: E402
+
 RESULTS = Path(os.environ.get("QS_GPU_RESULTS", "/tmp/gpu-results"))  # what comes back from the device
 WORK = Path(os.environ.get("QS_GPU_WORK", "/tmp/qs-gpu-work"))  # checkpoints and scratch, left there
 
@@ -35,10 +38,6 @@ DEVICE_ENV = {
     "DO_NOT_TRACK": "1",
     "PYTHONUNBUFFERED": "1",
 }
-
-# Every server here is on 127.0.0.1: never route through a proxy from the environment.
-_LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
 
 # Log line vLLM 0.28.0 prints once per W4A16 kernel class it picks
 # (quantization/compressed_tensors/schemes/compressed_tensors_wNa16.py, CompressedTensorsWNA16.create_weights).
@@ -204,120 +203,14 @@ def bench_serve_argv(
     ]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-# ---------------------------------------------------------------------------------------------
-# Server processes
-
-
-class ServerStartError(RuntimeError):
-    pass
-
-
-class ServerProcess:
-    """A `vllm serve` child in its own process group, logging to one file."""
+class SmokeServer(serving.ServerProcess):
+    """One ServerSpec's `vllm serve` on a free port, taken when the server is made (right before its launch:
+    servers starting beside it take ports too)."""
 
     def __init__(self, spec: ServerSpec, log_path: Path, env: Mapping[str, str], python: str = "python3"):
+        port = serving.free_port()
+        super().__init__(spec.key, serve_argv(spec, port, python), port, log_path, server_env(spec, env))
         self.spec = spec
-        self.log_path = Path(log_path)
-        self.python = python
-        self.port = 0
-        self.url = ""
-        self.argv: list[str] = []
-        self.env = server_env(spec, env)
-        self.proc: subprocess.Popen | None = None
-        self.launched_at = 0.0
-        self.healthy_at: float | None = None
-
-    def launch(self) -> None:
-        self.port = free_port()  # as late as possible: other servers starting up take ports too
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = serve_argv(self.spec, self.port, self.python)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            log.write(("$ " + " ".join(self.argv) + "\n").encode())
-            log.flush()
-            # own session: killpg reaches the engine-core child too; the log handle is inherited
-            self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-            )
-        self.launched_at = time.monotonic()
-
-    @property
-    def start_seconds(self) -> float | None:
-        return None if self.healthy_at is None else round(self.healthy_at - self.launched_at, 1)
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        """Block until GET /health answers 200; raise with the log tail if the server dies or times out."""
-        assert self.proc is not None, "launch() first"
-        deadline = self.launched_at + timeout_s
-        while True:
-            if self.healthy_at is not None:
-                return
-            code = self.proc.poll()
-            if code is not None:
-                raise ServerStartError(
-                    f"{self.spec.key} exited with code {code} before /health answered\n{self.log_tail()}"
-                )
-            try:
-                with _LOCAL.open(self.url + "/health", timeout=5) as response:
-                    if response.status == 200:
-                        self.healthy_at = time.monotonic()
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise ServerStartError(f"{self.spec.key}: no healthy /health within {timeout_s:.0f} s\n{self.log_tail()}")
-            time.sleep(1)
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def log_tail(self, lines: int = 60) -> str:
-        tail = self.log_text().splitlines()[-lines:]
-        return f"--- last {len(tail)} lines of {self.log_path} ---\n" + "\n".join(tail)
-
-    def terminate(self) -> None:
-        """SIGTERM the server's process group (API server and engine core) without waiting."""
-        if self.proc is not None:
-            _signal_group(self.proc.pid, signal.SIGTERM)
-
-    def stop(self, grace_s: float = 15) -> None:
-        """terminate(), then SIGKILL what is left of the group after `grace_s`."""
-        if self.proc is None:
-            return
-        group = self.proc.pid
-        self.terminate()
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            self.proc.poll()  # reap our own child, or the group never looks empty
-            if not _group_alive(group):
-                return
-            time.sleep(0.5)
-        _signal_group(group, signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-
-def _group_alive(group: int) -> bool:
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _signal_group(group: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(group, sig)
-    except ProcessLookupError:
-        pass
 
 
 def trim_to_tail(path: Path, max_bytes: int) -> None:
@@ -378,84 +271,6 @@ def run_json_children(
         record = json.loads(out.read_text()) if out.exists() else {}
         runs[name] = ChildRun(rc, Path(log.name).read_text(errors="replace"), record)
     return runs
-
-
-# ---------------------------------------------------------------------------------------------
-# HTTP
-
-
-class HttpError(RuntimeError):
-    def __init__(self, status: int, body: str):
-        super().__init__(f"HTTP {status}: {body[:2000]}")
-        self.status = status
-        self.body = body
-
-
-def post_json(url: str, payload: Mapping, timeout_s: float = 300) -> dict:
-    request = urllib.request.Request(
-        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with _LOCAL.open(request, timeout=timeout_s) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        raise HttpError(err.code, err.read().decode(errors="replace")) from err
-
-
-def post_sse(url: str, payload: Mapping, timeout_s: float = 300) -> tuple[list[dict], bool]:
-    """POST a streaming request; return the decoded `data:` events and whether `data: [DONE]` arrived."""
-    request = urllib.request.Request(
-        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
-    events: list[dict] = []
-    done = False
-    try:
-        with _LOCAL.open(request, timeout=timeout_s) as response:
-            for raw in response:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                events.append(json.loads(data))
-    except urllib.error.HTTPError as err:
-        raise HttpError(err.code, err.read().decode(errors="replace")) from err
-    return events, done
-
-
-def get_text(url: str, timeout_s: float = 60) -> str:
-    with _LOCAL.open(url, timeout=timeout_s) as response:
-        return response.read().decode()
-
-
-# ---------------------------------------------------------------------------------------------
-# Prometheus /metrics
-
-_SAMPLE_RE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-
-
-def metric_samples(text: str) -> Iterator[tuple[str, str, float]]:
-    """(name, labels, value) for every sample line of a Prometheus text page."""
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE_RE.match(line)
-        if match:
-            yield match.group(1), match.group(2) or "", float(match.group(3))
-
-
-def counter_total(text: str, name: str) -> float:
-    """Sum of counter `name` over all label sets; prometheus_client exports counters as `<name>_total`.
-
-    Raises KeyError when the page has no such counter, so a renamed metric fails loudly instead of reading 0.
-    """
-    wanted = {name, name + "_total"}
-    values = [value for sample, _, value in metric_samples(text) if sample in wanted]
-    if not values:
-        raise KeyError(f"no counter {name!r} on the /metrics page")
-    return sum(values)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -625,14 +440,6 @@ def _judge(prompt: int, position: int, a: GreedyTrace, b: GreedyTrace, noise: fl
 
 # ---------------------------------------------------------------------------------------------
 # Result JSON
-
-
-def write_json_atomic(path: Path, data: Mapping) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
-    tmp.replace(path)
 
 
 _OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2}

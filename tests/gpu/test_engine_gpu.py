@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import smoke_lib as lib
 
+from bench import serving
+
 pytestmark = pytest.mark.gpu
 
 RESULTS, WORK = lib.RESULTS, lib.WORK
@@ -65,7 +67,7 @@ def engines() -> dict[str, dict]:
             run["mean_abs_logprob_delta"] = sum(deltas) / len(deltas)
             run["perplexity_vs_w4a16"] = run["perplexity"] / runs["w4a16"]["perplexity"] - 1
             run["greedy_agreement"] = sum(a == b for a, b in zip(run["greedy"], runs["w4a16"]["greedy"], strict=True))
-    lib.write_json_atomic(RESULTS / "engine-h200.json", {"w4a8_runs": {k: {f: v for f, v in r.items() if f != "prompt_logprobs"}
+    serving.write_json_atomic(RESULTS / "engine-h200.json", {"w4a8_runs": {k: {f: v for f, v in r.items() if f != "prompt_logprobs"}
                                                              for k, r in runs.items()}})
     return runs
 
@@ -137,7 +139,7 @@ def test_marlin_w4a8_layer(monkeypatch):
 
     errors = {"w4a16": run(torch.bfloat16, True), "w4a8": run(torch.int8, True),
               "w4a8_nofold": run(torch.int8, False)}
-    lib.write_json_atomic(RESULTS / "engine-marlin-layer-h200.json", errors)
+    serving.write_json_atomic(RESULTS / "engine-marlin-layer-h200.json", errors)
     assert errors["w4a16"] < 0.01, errors
     assert errors["w4a8"] < 0.05, errors
     assert errors["w4a8_nofold"] > 0.5, errors

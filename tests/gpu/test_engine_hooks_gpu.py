@@ -25,13 +25,15 @@ from types import SimpleNamespace
 import pytest
 import smoke_lib as lib
 
+from bench import serving
+from qwen_serving.model import HEAD_DIM, KV_HEADS, Q_HEADS, VOCAB
+
 pytestmark = pytest.mark.gpu
 
 RESULTS, WORK = lib.RESULTS, lib.WORK
 CHILD = Path(__file__).with_name("engine_hooks_child.py")
 ENGINE_TIMEOUT_S = 900
-VOCAB = 248320
-HQ, HKV, D = 24, 4, 256
+HQ, HKV, D = Q_HEADS, KV_HEADS, HEAD_DIM
 ENGINES = {"on": ("1", "mtp"), "off": ("0", "mtp"), "plain": ("0", "none")}  # name: (HOOKS, SPEC) of the child
 _record: dict = {}
 
@@ -46,7 +48,7 @@ def _cuda():
 
 def _save() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    lib.write_json_atomic(RESULTS / "engine-hooks-h200.json", _record)
+    serving.write_json_atomic(RESULTS / "engine-hooks-h200.json", _record)
 
 
 def test_sampler_masks_equal_vllm_at_full_vocab(monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qwen_serving import model
 from qwen_serving.engine.kernels.lookup import lookup_draft, lookup_draft_reference
 from qwen_serving.engine.kernels.prefill_int8_attn import prefill_attention_reference, prefill_int8_attention
 from qwen_serving.engine.kernels.spec_attn import SpecAttention, spec_attention_reference
@@ -25,7 +26,7 @@ from qwen_serving.engine.kernels.topk_topp import (
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-HQ, HKV, HEAD_DIM, VOCAB = 24, 4, 256, 248_320
+HQ, HKV, HEAD_DIM, VOCAB = model.Q_HEADS, model.KV_HEADS, model.HEAD_DIM, model.VOCAB
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:

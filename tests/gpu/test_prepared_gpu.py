@@ -27,6 +27,8 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 import smoke_lib as lib  # noqa: E402
 
+from bench import serving  # noqa: E402
+
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 8, 24, 24
 ENGINE_TIMEOUT_S = 900  # a first start of a config is ~200 s (Triton JIT of the GDN kernels)
 STEPS = ("quant_lm_head", "quant_embed", "quant_mtp")
@@ -52,8 +54,7 @@ def test_prepared_checkpoint_uses_int8_and_matches_greedy(tmp_path):
         pytest.skip("needs a CUDA GPU (tests/gpu/README.md)")
     results = Path(os.environ.get("QS_GPU_RESULTS", tmp_path))
     results.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **lib.DEVICE_ENV}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(REPO)] if p)
+    env = lib.child_env(os.environ)
 
     base = tmp_path / "tiny"
     _run([sys.executable, "-m", "qwen_serving.checkpoint.synth", "--size", "tiny", "--out", str(base), "--seed", "0"], env, 600)
@@ -66,25 +67,14 @@ def test_prepared_checkpoint_uses_int8_and_matches_greedy(tmp_path):
     _run([sys.executable, str(REPO / "prepare" / "build_draft_vocab.py"), str(prepared), "--ids", str(ids)], env, 300)
     _run([sys.executable, "-m", "qwen_serving.checkpoint.prepare_status", str(prepared), "--strict"], env, 120)
 
-    children = {}
-    for name, model, speculate in (("base", base, False), ("prepared", prepared, True)):
-        out = tmp_path / f"{name}.json"
-        log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 (closed below)
-        argv = [sys.executable, str(Path(__file__)), str(model), str(out), "1" if speculate else "0"]
-        children[name] = (subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), out, log)
-    reports = {}
-    try:
-        for name, (proc, out, _log) in children.items():
-            proc.wait(timeout=ENGINE_TIMEOUT_S)
-            tail = (tmp_path / f"{name}.log").read_text()[-4000:]
-            assert proc.returncode == 0 and out.exists(), f"{name} engine failed (rc {proc.returncode}):\n{tail}"
-            reports[name] = json.loads(out.read_text())
-    finally:
-        for proc, _out, log in children.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
+    children = {
+        name: ([sys.executable, str(Path(__file__)), str(model), str(tmp_path / f"{name}.json"),
+                "1" if speculate else "0"], tmp_path / f"{name}.json", tmp_path / f"{name}.log")
+        for name, model, speculate in (("base", base, False), ("prepared", prepared, True))}
+    runs = lib.run_json_children(children, env, ENGINE_TIMEOUT_S)
+    for name, run in runs.items():
+        assert run.rc == 0 and run.record, f"{name} engine failed (rc {run.rc}):\n{run.log[-4000:]}"
+    reports = {name: run.record for name, run in runs.items()}
 
     modules = reports["prepared"]["modules"]
     assert modules["lm_head_scheme"] == "CompressedTensorsWNA16" and modules["lm_head_bits"] == 8, modules
@@ -108,7 +98,7 @@ def test_prepared_checkpoint_uses_int8_and_matches_greedy(tmp_path):
     ]
     summary = {**comparison.summary(), "rule_here": "both gaps <= max(2*noise, 2*bf16_ulp(top logit)), no 0.1 cap",
                "max_logit_noise": MAX_LOGIT_NOISE, "unexplained_here": [d.__dict__ for d in unexplained]}
-    lib.write_json_atomic(results / "prepared-gpu.json", {
+    serving.write_json_atomic(results / "prepared-gpu.json", {
         "modules": {name: r["modules"] for name, r in reports.items()},
         "comparison": summary,
         "prompts": PROMPTS,
@@ -163,7 +153,7 @@ def child(model: str, out: str, speculate: bool) -> None:
             "chosen": [steps[i][t].logprob for i, t in enumerate(ids)],
             "top": [[[int(k), v.logprob] for k, v in step.items()] for step in steps],  # JSON keys would be str
         })
-    Path(out).write_text(json.dumps({"modules": modules, "traces": traces}))
+    serving.write_json_atomic(Path(out), {"modules": modules, "traces": traces})
 
 
 if __name__ == "__main__":

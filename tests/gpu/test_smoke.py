@@ -17,6 +17,8 @@ import time
 import pytest
 import smoke_lib as lib
 
+from bench import serving
+
 pytestmark = pytest.mark.gpu
 
 CHAT_TOKENS = 16
@@ -44,7 +46,7 @@ BENCH_RESULT = "bench-serve-tiny-mtp.json"
 METRICS_PAGE = "metrics-tiny-mtp.txt"
 
 
-def chat_payload(server: lib.ServerProcess, **extra) -> dict:
+def chat_payload(server: lib.SmokeServer, **extra) -> dict:
     return {
         "model": server.spec.served_name,
         "messages": [{"role": "user", "content": "Say hello and tell me about the weather."}],
@@ -56,8 +58,8 @@ def chat_payload(server: lib.ServerProcess, **extra) -> dict:
     }
 
 
-def chat(server: lib.ServerProcess, **extra) -> dict:
-    return lib.post_json(server.url + "/v1/chat/completions", chat_payload(server, **extra))
+def chat(server: lib.SmokeServer, **extra) -> dict:
+    return serving.post_json(server.url + "/v1/chat/completions", chat_payload(server, **extra))
 
 
 def assert_assistant_choice(response: dict) -> dict:
@@ -87,11 +89,11 @@ def test_chat_completion_answers(server_a):
 def test_streaming_chat_completion_matches_non_streaming(server_a):
     # distinct cache salts: the second request must not reuse the first one's cached prefill
     expected = assert_assistant_choice(chat(server_a, cache_salt="plain"))["token_ids"]
-    events, done = lib.post_sse(
+    *events, last = [data for _, data in serving.post_events(
         server_a.url + "/v1/chat/completions",
         chat_payload(server_a, stream=True, stream_options={"include_usage": True}, cache_salt="stream"),
-    )
-    assert done, "stream ended without 'data: [DONE]'"
+    )]
+    assert last == serving.SSE_DONE, "stream ended without 'data: [DONE]'"
     assert all(event["object"] == "chat.completion.chunk" for event in events)
     choices = [choice for event in events for choice in event["choices"]]
     assert choices[0]["delta"].get("role") == "assistant"
@@ -114,20 +116,20 @@ def test_chat_request_with_tools_is_accepted(server_a):
 # (d) prefix caching: a repeated long prompt hits the cache and answers the same
 
 
-def long_prompt_ids(server: lib.ServerProcess, length: int) -> list[int]:
+def long_prompt_ids(server: lib.SmokeServer, length: int) -> list[int]:
     rng = random.Random(20261129)
     words = ["river", "stone", "market", "lantern", "copper", "meadow", "harbor", "violet", "engine", "thunder",
              "orchard", "pepper", "signal", "canyon", "velvet", "glacier", "puzzle", "saddle", "ember", "quartz"]
     text = " ".join(rng.choice(words) + str(rng.randrange(1000)) for _ in range(2 * length))
-    tokens = lib.post_json(
+    tokens = serving.post_json(
         server.url + "/tokenize", {"model": server.spec.served_name, "prompt": text, "add_special_tokens": False}
     )["tokens"]
     assert len(tokens) >= length, f"tokenizer gave {len(tokens)} tokens, need {length}"
     return tokens[:length]
 
 
-def read_counter(server: lib.ServerProcess, name: str) -> float:
-    return lib.counter_total(lib.get_text(server.url + "/metrics"), name)
+def read_counter(server: lib.SmokeServer, name: str) -> float:
+    return serving.counter_total(serving.get_text(server.url + "/metrics"), name)
 
 
 def test_prefix_cache_hits_on_repeated_long_prompt(server_a, smoke_record):
@@ -143,8 +145,8 @@ def test_prefix_cache_hits_on_repeated_long_prompt(server_a, smoke_record):
         "return_tokens_as_token_ids": True,
     }
     hits_before = read_counter(server_a, "vllm:prefix_cache_hits")
-    first = lib.post_json(server_a.url + "/v1/completions", payload)
-    second = lib.post_json(server_a.url + "/v1/completions", payload)
+    first = serving.post_json(server_a.url + "/v1/completions", payload)
+    second = serving.post_json(server_a.url + "/v1/completions", payload)
     cached = [(r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for r in (first, second)]
     # counters are updated by the stats loop after the response; give it a moment
     deadline = time.monotonic() + 15
@@ -174,8 +176,8 @@ def test_prefix_cache_hits_on_repeated_long_prompt(server_a, smoke_record):
 # (b) greedy MTP (server A) is token-identical to no speculation (server B), up to measured near-ties
 
 
-def greedy_traces(server: lib.ServerProcess) -> list[lib.GreedyTrace]:
-    response = lib.post_json(
+def greedy_traces(server: lib.SmokeServer) -> list[lib.GreedyTrace]:
+    response = serving.post_json(
         server.url + "/v1/completions",
         {
             "model": server.spec.served_name,
@@ -234,11 +236,11 @@ def test_record_bench_fixtures(server_a, results_dir, work_dir):
     assert result["completed"] == 16, f"bench completed {result.get('completed')} of 16 requests"
     shutil.copyfile(scratch / BENCH_RESULT, results_dir / BENCH_RESULT)
     # the page after the bench (and, in a full run, after every test above) for the harness's parser
-    page = lib.get_text(server_a.url + "/metrics")
-    lib.counter_total(page, "vllm:prefix_cache_hits")  # KeyError if the counter is not exported
-    lib.counter_total(page, "vllm:prefix_cache_queries")
+    page = serving.get_text(server_a.url + "/metrics")
+    serving.counter_total(page, "vllm:prefix_cache_hits")  # KeyError if the counter is not exported
+    serving.counter_total(page, "vllm:prefix_cache_queries")
     for name in ("vllm:spec_decode_num_draft_tokens", "vllm:generation_tokens"):
-        assert lib.counter_total(page, name) > 0, f"{name} is 0 after the bench traffic"
+        assert serving.counter_total(page, name) > 0, f"{name} is 0 after the bench traffic"
     tmp = results_dir / (METRICS_PAGE + ".tmp")
     tmp.write_text(page)
     tmp.replace(results_dir / METRICS_PAGE)
@@ -254,7 +256,7 @@ def test_shape_checkpoint_selects_marlin(server_c):
 
 
 def test_shape_checkpoint_decodes_finite_logits(server_c, smoke_record):
-    response = lib.post_json(
+    response = serving.post_json(
         server_c.url + "/v1/completions",
         {
             "model": server_c.spec.served_name,

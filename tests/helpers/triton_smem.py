@@ -40,12 +40,12 @@ def shared_bytes(kernel, signature: dict, constexprs: dict, capability: int, num
 
 def verify_kernel_shared(capability: int) -> dict[int, dict]:
     """The split-KV verify kernel at the serving geometry, for every verify length the routing hands it."""
-    from qwen_serving import memory
+    from qwen_serving import model
     from qwen_serving.engine.attn_routing import MAX_VERIFY_QUERY
     from qwen_serving.engine.kernels import spec_attn
 
     kernel = spec_attn._split_kv_kernel
-    group = memory.Q_HEADS // memory.KV_HEADS
+    group = model.Q_HEADS // model.KV_HEADS
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_table_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
                 "sm_scale": "fp32"}
@@ -54,7 +54,7 @@ def verify_kernel_shared(capability: int) -> dict[int, dict]:
     for query_len in range(1, MAX_VERIFY_QUERY + 1):
         tile = spec_attn.tiles(query_len, group)
         if tile not in compiled:
-            constexprs = {"GROUP": group, "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "D": memory.HEAD_DIM,
+            constexprs = {"GROUP": group, "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "D": model.HEAD_DIM,
                           "UPCAST_DOT": False}
             signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
                          for name in kernel.arg_names}

@@ -1,9 +1,9 @@
 """Run vLLM's GDN speculative-decode kernels under the Triton interpreter with bad accepted counts.
 
-Used by tests/test_engine_gdn_bounds.py, one subprocess per vLLM copy and case, because an
+Run by tests/test_engine_gdn_bounds.py, one subprocess per vLLM copy and case, because an
 out-of-bounds read can take the interpreter process down (SIGSEGV).
 
-    python tests/gdn_spec_probe.py VLLM_PARENT_DIR {cross,far}:{recurrent,sigmoid} ...
+    python tests/helpers/gdn_spec_probe.py VLLM_PARENT_DIR {cross,far}:{recurrent,sigmoid} ...
 
 Prints one JSON line per probe: for every request, whether its output equals the one computed from
 the slot a bounds-checked kernel must use (the clamped ``num_accepted_tokens - 1``).
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 tl = None  # triton.language, bound once the CPU shims are installed
 N, T, H, HV, K, V = 2, 3, 2, 2, 16, 16  # 2 requests x (1 + 2 drafts)

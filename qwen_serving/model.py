@@ -1,0 +1,103 @@
+"""Qwen3.8-27B, written once: dimensions, layer pattern, the MTP layer, GDN state shapes, bytes per dtype.
+
+The text model of the public W4A16 AutoRound export (`dbirks/Qwen3.8-27B-W4A16-AutoRound`); the
+config.json `text_config` name of each figure is beside it. The memory model (memory.py), the
+synthetic `shape` and `full` checkpoints (checkpoint/synth.py) and bench/ read these numbers;
+tests/test_model.py checks them against the synthetic config, vLLM 0.28.0's state-shape arithmetic
+and the spec. A planning module of the package root: standard library only, so dtypes are names and
+DTYPE_BYTES turns them into bytes.
+"""
+
+from __future__ import annotations
+
+# ---- the text model ----
+HIDDEN = 5120  # hidden_size
+INTERMEDIATE = 17408  # intermediate_size (the SiLU MLP of every layer)
+VOCAB = 248_320  # vocab_size; embed_tokens and lm_head are untied (tie_word_embeddings false)
+MAX_POSITIONS = 262_144  # max_position_embeddings
+DTYPE = "bfloat16"  # dtype: activations, the GDN conv state, and the KV cache at cache dtype "auto"
+CHECKPOINT_SSM_DTYPE = "float32"  # mamba_ssm_dtype: the GDN state vLLM keeps without --mamba-ssm-cache-dtype
+
+# full attention, with Qwen3.5's output gate (attn_output_gate: q_proj emits 2 x Q_HEADS x HEAD_DIM)
+Q_HEADS = 24  # num_attention_heads
+KV_HEADS = 4  # num_key_value_heads
+HEAD_DIM = 256  # head_dim
+
+# Gated DeltaNet (linear attention)
+GDN_K_HEADS = 16  # linear_num_key_heads
+GDN_V_HEADS = 48  # linear_num_value_heads
+GDN_HEAD_DIM = 128  # linear_key_head_dim = linear_value_head_dim
+CONV_KERNEL = 4  # linear_conv_kernel_dim
+GDN_KEY_DIM = GDN_K_HEADS * GDN_HEAD_DIM
+GDN_VALUE_DIM = GDN_V_HEADS * GDN_HEAD_DIM
+CONV_DIM = 2 * GDN_KEY_DIM + GDN_VALUE_DIM  # q, k and v go through the short conv
+
+# ---- layer pattern ----
+LAYERS = 64  # num_hidden_layers
+FULL_ATTENTION_INTERVAL = 4  # full_attention_interval: three Gated DeltaNet layers, then one full attention
+MTP_LAYERS = 1  # mtp_num_hidden_layers: one bf16 full-attention decoder layer; its KV joins the target's
+
+
+def layer_types(num_layers: int = LAYERS) -> list[str]:
+    """config.json's `layer_types` for `num_layers` layers of the repeating pattern."""
+    return [
+        "full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention" for i in range(num_layers)
+    ]
+
+
+ATTN_LAYERS = layer_types().count("full_attention")
+GDN_LAYERS = layer_types().count("linear_attention")
+
+
+def gdn_state_shapes(spec_tokens: int = 0) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """One request's recurrent state in one GDN layer: (conv tail, delta-rule matrix).
+
+    The conv tail is CONV_KERNEL - 1 rows of every q/k/v channel, plus one row per speculative token
+    (vLLM 0.28.0's qwen3_5.py passes num_spec to the shape); the matrix is [value heads, value dim,
+    key dim]. vLLM's MambaStateShapeCalculator.gated_delta_net_state_shape, conv rows first.
+    """
+    return (CONV_KERNEL - 1 + spec_tokens, CONV_DIM), (GDN_V_HEADS, GDN_HEAD_DIM, GDN_HEAD_DIM)
+
+
+# The vision tower's config (vision_config). The server runs --language-model-only, so only the synthetic
+# checkpoints read it (the tower's depth names the modules compressed-tensors leaves unquantized).
+VISION_CONFIG = {
+    "depth": 27,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_size": 1152,
+    "in_channels": 3,
+    "initializer_range": 0.02,
+    "intermediate_size": 4304,
+    "model_type": "qwen3_5",
+    "num_heads": 16,
+    "num_position_embeddings": 2304,
+    "out_hidden_size": HIDDEN,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+
+# ---- the DFlash2 drafter (SPEC=dflash2) ----
+# 5 Qwen3-style sliding-window layers. Its 8 KV heads x 128 give the same bytes per token as the target's
+# 4 x 256, so its pages line up with the target's (taken from the design probe
+# ../shared/design/cpu-venv/kvgroups.py, not read from the checkpoint).
+DRAFTER_LAYERS = 5
+DRAFTER_KV_HEADS = 8
+DRAFTER_HEAD_DIM = 128
+DRAFTER_WINDOW = 2048
+
+# ---- bytes per element ----
+# The dtype names vLLM 0.28.0 takes for the model (--dtype), the KV cache (config/cache.py CacheDType;
+# fp8 is fp8_e4m3) and the GDN state (MambaDType). The per-token-head KV layouts keep scales beside
+# their data: memory.kv_bytes_per_token_layer.
+DTYPE_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "fp8_inc": 1,
+}

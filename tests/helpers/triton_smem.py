@@ -44,7 +44,7 @@ def verify_kernel_shared(capability: int) -> dict[int, dict]:
     from qwen_serving.engine.attn_routing import MAX_VERIFY_QUERY
     from qwen_serving.engine.kernels import spec_attn
 
-    kernel = spec_attn._split_kv_kernel
+    kernel = spec_attn.split_kv_kernel
     group = model.Q_HEADS // model.KV_HEADS
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "block_table_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",

@@ -52,7 +52,7 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def _split_kv_kernel(
+def split_kv_kernel(
     q_ptr,
     q_s0,
     q_s1,
@@ -253,7 +253,7 @@ class SpecAttention:
         if not 1 <= splits <= self.max_splits:
             raise ValueError(f"num_splits must be in [1, {self.max_splits}], got {splits}")
         tile = tiles(max_query_len, self.group, self.block_n)
-        _split_kv_kernel[(batch, self.num_kv_heads, splits)](
+        split_kv_kernel[(batch, self.num_kv_heads, splits)](
             q, q.stride(0), q.stride(1),
             key_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache, value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),

@@ -1,6 +1,6 @@
 """Split-KV verify attention (Triton, interpreted on CPU) against an fp32 reference over a paged KV cache.
 
-Tolerance: max |error| <= 2e-2 for bf16 (inputs, P and output are bf16-rounded) and 3e-2 for fp8 KV.
+Tolerance: max |error| <= 2e-2 for bf16 (inputs, P and output are bf16-rounded).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen_serving.engine.kernels.spec_attn import SpecAttention, spec_attention_reference
+from qwen_serving.engine.kernels.spec_attn import SpecAttention
 from tests.helpers.paged_kv import make_paged, run_and_compare
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,21 +29,6 @@ def test_ragged_batch_gqa_and_splits():
 
 def test_head_dim_256_and_split_layout():
     run_and_compare([50, 21], [3, 7], hq=6, hkv=1, d=256, page=16, splits=2, packed=False)
-
-
-def test_fp8_kv_with_scales():
-    # every e4m3 code (subnormals and negatives included, NaN excluded) appears in the cache
-    q, kc, vc, bt, sl, qsl = make_paged([70, 33], [4, 2], 12, 2, 64, 32, seed=2)
-    gen = torch.Generator().manual_seed(3)
-    codes = torch.randint(0, 256, kc.shape, generator=gen, dtype=torch.int32)
-    codes[(codes & 0x7F) == 0x7F] -= 1
-    k8 = codes.to(torch.uint8).view(torch.float8_e4m3fn)
-    v8 = codes.flip(-1).to(torch.uint8).view(torch.float8_e4m3fn)
-    k_scale, v_scale = torch.tensor([1 / 64]), torch.tensor([1 / 128])
-    attn = SpecAttention(12, 2, 64, max_batch=2, max_query_len=4, max_splits=4, device="cpu", block_n=16)
-    got = attn(q, k8, v8, bt, sl, qsl, 4, 0.125, k_scale=k_scale, v_scale=v_scale)
-    want = spec_attention_reference(q, k8, v8, bt, sl, qsl, 0.125, k_scale=k_scale, v_scale=v_scale)
-    assert (got.float() - want).abs().max().item() <= 3e-2
 
 
 def test_causal_inside_the_verify_block():
@@ -68,7 +53,7 @@ def test_bad_arguments_raise():
         attn(q, kc, vc, bt, sl, qsl, 2, 1.0, num_splits=3)
     with pytest.raises(ValueError, match="KV dtype"):
         attn(q, kc.half(), vc.half(), bt, sl, qsl, 2, 1.0)
-    with pytest.raises(ValueError, match="k_scale"):
+    with pytest.raises(ValueError, match="KV dtype"):  # no fp8 cache (see the kernel's docstring)
         attn(q, kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), bt, sl, qsl, 2, 1.0)
     with pytest.raises(ValueError, match="multiple"):
         SpecAttention(10, 4, 32, max_batch=1, device="cpu")

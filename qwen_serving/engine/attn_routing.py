@@ -5,7 +5,7 @@ every request with the same small number of query tokens (2-16), go to qwen_serv
 split-KV grid keeps the SMs busy where FlashAttention runs one program per (request, head). The kernel is exact
 causal attention over the paged cache for any batch whose query lengths fit, so these rules only pick where it
 pays; everything they refuse (prefill chunks, mixed batches, cascade attention, windows, soft caps, sinks,
-ALiBi, context parallelism, quantized queries, other KV dtypes, head sizes the kernel lacks) stays on
+ALiBi, context parallelism, quantized queries, fp8 or other KV dtypes, head sizes the kernel lacks) stays on
 FlashAttention. Decided from host values only: no device sync in the forward pass.
 
 The kernel's scratch (split partials) is allocated once, when the first layer is built, so CUDA graphs capture
@@ -27,14 +27,16 @@ from typing import Any
 import torch
 
 from .kernels.prefill_int8_attn import prefill_int8_attention
-from .kernels.spec_attn import FP8_DTYPES, SpecAttention
+from .kernels.spec_attn import SpecAttention
 
 MIN_VERIFY_QUERY = 2  # one query token is plain decode, which FlashAttention already splits
 MAX_VERIFY_QUERY = 16
 MAX_SPLITS = 32
 SCRATCH_BUDGET_BYTES = 64 << 20  # per layer geometry; the splits shrink to fit
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-VERIFY_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
+# No fp8: FlashAttention takes an fp8 cache only with FA3 (sm90) / FA4 (sm100), where the layer quantizes the
+# query to fp8 too, and the kernel reads K/V in the query's dtype.
+VERIFY_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 PREFILL_HEAD_DIM = 256  # the serving geometry the int8 kernel is tuned for
 MIN_PREFILL_QUERY = MAX_VERIFY_QUERY + 1
 
@@ -131,9 +133,7 @@ def takes_verify_path(spec_attn: SpecAttention, metadata: Any, query: torch.Tens
         return False
     if metadata.num_actual_tokens != num_reqs * query_len:
         return False  # not uniform: a prefill chunk or a mix of requests with and without drafts
-    if query.dtype not in HALF_DTYPES:
-        return False  # e.g. FP8 queries (FlashAttention 3 quantizes them with an fp8 cache)
-    return key_cache.dtype == query.dtype or key_cache.dtype in FP8_DTYPES
+    return query.dtype in HALF_DTYPES and key_cache.dtype == query.dtype
 
 
 def _plain_causal(metadata: Any) -> bool:
@@ -172,7 +172,6 @@ def run_prefill(
 
 def run_verify(
     spec_attn: SpecAttention,
-    layer: torch.nn.Module,
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -181,11 +180,9 @@ def run_verify(
     softmax_scale: float,
 ) -> torch.Tensor:
     """The verify kernel on FlashAttention's arguments: caches as [num_blocks, block_size, kv_heads, head_dim]
-    views, fp8 scales from the layer; writes the first num_actual_tokens rows of output."""
+    views; writes the first num_actual_tokens rows of output."""
     tokens = metadata.num_actual_tokens
-    fp8 = key_cache.dtype in FP8_DTYPES
     return spec_attn(
         query[:tokens], key_cache, value_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
-        metadata.max_query_len, softmax_scale, k_scale=layer._k_scale if fp8 else None,
-        v_scale=layer._v_scale if fp8 else None, out=output[:tokens],
+        metadata.max_query_len, softmax_scale, out=output[:tokens],
     )

@@ -86,8 +86,8 @@ def install_shadow(shadow: ShadowCheck, routed: dict) -> None:
 
     run_verify, run_prefill = attn_routing.run_verify, attn_routing.run_prefill
 
-    def verify(spec_attn, layer, query, key_cache, value_cache, md, output, scale):
-        result = run_verify(spec_attn, layer, query, key_cache, value_cache, md, output, scale)
+    def verify(spec_attn, query, key_cache, value_cache, md, output, scale):
+        result = run_verify(spec_attn, query, key_cache, value_cache, md, output, scale)
         if key_cache.dtype in (torch.bfloat16, torch.float16):
             shadow.check("verify_kernel", query, key_cache, value_cache, md.block_table, md.seq_lens,
                          md.query_start_loc, scale, output, host(md))

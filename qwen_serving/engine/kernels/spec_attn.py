@@ -7,22 +7,43 @@ request (causal inside the verify block: query i of a request with context L see
 writes a normalized partial and its log-sum-exp, and a second pass merges the splits.
 
 KV cache: key/value views shaped [num_blocks, block_size, num_kv_heads, head_dim] with any strides (vLLM
-0.28.0's FlashAttention backend packs K and V in one tensor: ``kv_cache.transpose(1, 2).split(D, -1)``),
-bf16/fp16, or fp8 e4m3 with per-tensor ``k_scale``/``v_scale`` tensors as vLLM passes them (layer._k_scale).
-The scratch buffers for the partials are allocated once by ``SpecAttention`` so CUDA graphs see fixed
+0.28.0's FlashAttention backend packs K and V in one tensor: ``kv_cache.transpose(1, 2).split(D, -1)``), in the
+query's dtype (bf16/fp16). No fp8 cache: vLLM's FlashAttention backend takes one only with FA3 on sm90 or FA4 on
+sm100 (not on the sm80/86/89 cards this kernel is for), and then its attention layer quantizes the query to fp8.
+
+Tiles: BLOCK_M query rows (query tokens x GQA group, padded) by BLOCK_N keys, chosen by ``tiles`` so that every
+block length up to 16 queries fits the smallest per-block shared memory of those cards (sm86/sm89: 101,376 B;
+tests/test_spec_attn_smem.py compiles the kernel for them). The scratch buffers for the partials are allocated once by ``SpecAttention`` so CUDA graphs see fixed
 addresses; the split count adapts to each request's length on the device, so a captured grid stays valid.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-FP8_DTYPES = (torch.float8_e4m3fn,)
 REDUCE_ROWS = 8  # rows of partials merged per program in the second pass
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int = 2
+
+
+def tiles(max_query_len: int, group: int, block_n: int | None = None) -> Tiles:
+    """Launch tiles for a verify block of max_query_len tokens. At head_dim 256 and 128 rows (11-16 queries of a
+    6:1 GQA group) a 64-key tile needs 114,688 B of shared memory on sm86/sm89, over their 101,376; 32 keys need
+    90,112. block_n: a smaller key tile (CPU tests), never a larger one."""
+    block_m = max(16, triton.next_power_of_2(max_query_len * group))
+    widest = 64 if block_m <= 64 else 32
+    return Tiles(block_m, min(block_n or widest, widest), num_warps=4 if block_m <= 64 else 8)
 
 
 def interpreting() -> bool:
@@ -31,7 +52,7 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def _split_kv_kernel(
+def split_kv_kernel(
     q_ptr,
     q_s0,
     q_s1,
@@ -48,8 +69,6 @@ def _split_kv_kernel(
     seq_lens_ptr,
     qsl_ptr,
     page_size,
-    k_scale_ptr,
-    v_scale_ptr,
     sm_scale,
     part_o_ptr,
     part_lse_ptr,
@@ -59,7 +78,6 @@ def _split_kv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D: tl.constexpr,
-    FP8: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -83,8 +101,6 @@ def _split_kv_kernel(
     t_begin = split * per_split
     t_end = tl.minimum(t_begin + per_split, tiles)
     qk_scale = sm_scale * 1.4426950408889634  # exp2
-    if FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr) * 256.0
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -99,14 +115,6 @@ def _split_kv_kernel(
                     other=0.0)
         v = tl.load(v_ptr + (blk * v_s0 + slot * v_s1 + kvh * v_s2)[:, None] + d[None, :], mask=in_seq[:, None],
                     other=0.0)
-        if FP8:
-            # e4m3 bytes -> bf16 without fp8 hardware (Triton has no e4m3 type below sm89, the RTX 3090's
-            # sm86): its 7 low bits placed at fp16 bits 13..7 give exactly value * 2**-8 (subnormals
-            # included), exact in bf16 too; the 2**8 goes into the scales.
-            k = k.to(tl.int32)
-            k = (((k & 0x80) << 8) | ((k & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.bfloat16)
-            v = v.to(tl.int32)
-            v = (((v & 0x80) << 8) | ((v & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.bfloat16)
         if UPCAST_DOT:  # the CPU interpreter mis-multiplies bf16 dots; fp32 operands hold the same values
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * qk_scale
         else:
@@ -125,8 +133,6 @@ def _split_kv_kernel(
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    if FP8:
-        out = out * (tl.load(v_scale_ptr) * 256.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     base = (b * num_kv_heads + kvh) * num_splits + split
     tl.store(part_lse_ptr + base.to(tl.int64) * max_rows + rows, lse, mask=rows < max_rows)
@@ -192,7 +198,7 @@ class SpecAttention:
         max_query_len: int = 16,
         max_splits: int = 32,
         device: torch.device | str = "cuda",
-        block_n: int = 64,
+        block_n: int | None = None,
     ):
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -231,8 +237,6 @@ class SpecAttention:
         query_start_loc: torch.Tensor,
         max_query_len: int,
         softmax_scale: float,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
         num_splits: int | None = None,
     ) -> torch.Tensor:
@@ -241,9 +245,6 @@ class SpecAttention:
         max_query_len: host bound on the query tokens of any request (<= the size given at construction)."""
         batch = query_start_loc.shape[0] - 1
         self._check(q, key_cache, value_cache, block_table, seq_lens, batch, max_query_len)
-        fp8 = key_cache.dtype in FP8_DTYPES
-        if fp8 and (k_scale is None or v_scale is None):
-            raise ValueError("fp8 KV cache needs k_scale and v_scale")
         if out is None:
             out = torch.empty_like(q)
         if batch == 0:
@@ -251,20 +252,15 @@ class SpecAttention:
         splits = num_splits or self.default_splits(batch)
         if not 1 <= splits <= self.max_splits:
             raise ValueError(f"num_splits must be in [1, {self.max_splits}], got {splits}")
-        block_m = max(16, triton.next_power_of_2(max_query_len * self.group))
-        scale_dummy = seq_lens  # never read when the cache is not fp8
-        if fp8:  # read as bytes, decoded in the kernel
-            key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
-        _split_kv_kernel[(batch, self.num_kv_heads, splits)](
+        tile = tiles(max_query_len, self.group, self.block_n)
+        split_kv_kernel[(batch, self.num_kv_heads, splits)](
             q, q.stride(0), q.stride(1),
             key_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache, value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-            block_table, block_table.stride(0), seq_lens, query_start_loc, key_cache.shape[1],
-            k_scale if fp8 else scale_dummy, v_scale if fp8 else scale_dummy, softmax_scale,
+            block_table, block_table.stride(0), seq_lens, query_start_loc, key_cache.shape[1], softmax_scale,
             self.part_o, self.part_lse, splits, self.max_rows,
-            GROUP=self.group, BLOCK_M=block_m, BLOCK_N=self.block_n, D=self.head_dim, FP8=fp8,
-            UPCAST_DOT=interpreting(),
-            num_warps=4 if block_m <= 64 else 8, num_stages=2,
+            GROUP=self.group, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, D=self.head_dim, UPCAST_DOT=interpreting(),
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
         )
         used_rows = max_query_len * self.group
         _merge_splits_kernel[(batch, self.num_kv_heads, triton.cdiv(used_rows, REDUCE_ROWS))](
@@ -281,8 +277,8 @@ class SpecAttention:
         for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
             if cache.dim() != 4 or cache.shape[2:] != (self.num_kv_heads, self.head_dim) or cache.stride(3) != 1:
                 raise ValueError(f"{name} must be [blocks, block_size, {self.num_kv_heads}, {self.head_dim}]")
-        if key_cache.dtype != value_cache.dtype or (key_cache.dtype not in FP8_DTYPES and key_cache.dtype != q.dtype):
-            raise ValueError(f"KV dtype {key_cache.dtype} must equal q's ({q.dtype}) or be fp8 e4m3")
+        if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
+            raise ValueError(f"KV dtype {key_cache.dtype}/{value_cache.dtype} must equal q's ({q.dtype})")
         if not 1 <= max_query_len <= self.max_query_len:
             raise ValueError(f"max_query_len must be in [1, {self.max_query_len}], got {max_query_len}")
         if batch > self.max_batch or block_table.shape[0] < batch or seq_lens.shape[0] < batch:
@@ -297,10 +293,8 @@ def spec_attention_reference(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     softmax_scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 definition: gather each request's pages, dequantize, causal attention inside the verify block."""
+    """fp32 definition: gather each request's pages, causal attention inside the verify block."""
     num_q_heads, num_kv_heads = q.shape[1], key_cache.shape[2]
     page = key_cache.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -311,8 +305,6 @@ def spec_attention_reference(
         blocks = block_table[b, pos // page].long()
         k = key_cache[blocks, pos % page].float()  # [seq, Hkv, D]
         v = value_cache[blocks, pos % page].float()
-        if k_scale is not None:
-            k, v = k * k_scale.float(), v * v_scale.float()
         k = k.repeat_interleave(num_q_heads // num_kv_heads, dim=1)
         v = v.repeat_interleave(num_q_heads // num_kv_heads, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * softmax_scale

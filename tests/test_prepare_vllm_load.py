@@ -24,29 +24,18 @@ from tests.helpers.tiny_checkpoint import REPO, make_tiny, run
 
 _LOAD = textwrap.dedent(
     """
-    import json, socket, sys
+    import json, sys
     from pathlib import Path
     from qwen_serving.engine import cpu_compat
     cpu_compat.install()
     import torch
     cpu_compat.inspect_models_in_process()
     from safetensors import safe_open
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-    from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.utils.torch_utils import set_default_torch_dtype
     import vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16 as wna16
+    from tests.helpers.vllm_cpu_models import engine_config, load_models, start_cpu_world
     # the CPU platform has no int8 weight-only kernel; pick Marlin, what a CUDA GPU runs (loading
     # only needs create_weights, and Marlin's repacking is not reached here)
     wna16.choose_mp_linear_kernel = lambda config: wna16.MarlinLinearKernel
-
-    class NoCompiledOps:  # vllm._C is not built for CPU; layers only look ops up at init
-        def __getattr__(self, name):
-            def op(*args, **kwargs):
-                raise RuntimeError(f"vllm._C.{name} called")
-            return op
 
     path = Path(sys.argv[1])
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
@@ -54,24 +43,9 @@ _LOAD = textwrap.dedent(
     for shard in sorted(set(index.values())):
         with safe_open(str(path / shard), framework="pt") as f:
             stored.update({name: f.get_tensor(name) for name in f.keys()})
-    config = EngineArgs(model=str(path), language_model_only=True, max_model_len=512, enforce_eager=True,
-                        speculative_config={"method": "mtp", "num_speculative_tokens": 2}).create_engine_config()
-    torch.ops._C = NoCompiledOps()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    result = {}
-    with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        initialize_model_parallel(1, 1)
-        loader = DefaultModelLoader(config.load_config)
-        for model_config in (config.model_config, config.speculative_config.draft_model_config):
-            with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
-                model = initialize_model(vllm_config=config, model_config=model_config)
-            loaded = set(model.load_weights(iter(stored.items())))
-            loader.track_weights_loading(model, loaded)  # raises on any parameter left unfilled
-            result[type(model).__name__] = model
+    config = engine_config(path, num_speculative_tokens=2, max_model_len=512)
+    start_cpu_world(config)
+    result = {name: model for name, (_, model) in load_models(config, stored.items).items()}
     target, drafter = result["Qwen3_5ForConditionalGeneration"], result["Qwen3_5MTP"]
     lm = target.language_model
     mtp_qkv = drafter.model.layers[0].self_attn.qkv_proj

@@ -240,54 +240,20 @@ def test_vllm_engine_config_accepts_tiny_with_mtp(tiny):
 # stubs vLLM's missing compiled ops and initialises torch.distributed.
 _LOAD_CHECK = textwrap.dedent(
     """
-    import json, socket, sys, tempfile
+    import json, sys, tempfile
     from pathlib import Path
     from qwen_serving.engine import cpu_compat
     cpu_compat.install()
     import torch
     cpu_compat.inspect_models_in_process()
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-    from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.utils.torch_utils import set_default_torch_dtype
     from qwen_serving.checkpoint import synth
-
-    class MissingOps:  # vllm._C is not built on CPU; layers only look ops up at init
-        def __getattr__(self, name):
-            def op(*args, **kwargs):
-                raise RuntimeError(f"vllm._C.{name} called")
-            return op
-
-    def engine_config(path):
-        return EngineArgs(model=str(path), language_model_only=True, max_model_len=4096, enforce_eager=True,
-                          speculative_config={"method": "mtp", "num_speculative_tokens": 4}).create_engine_config()
-
-    def load_all(vllm_config, weights, device):
-        counts = {}
-        loader = DefaultModelLoader(vllm_config.load_config)
-        with set_current_vllm_config(vllm_config):
-            for model_config in (vllm_config.model_config, vllm_config.speculative_config.draft_model_config):
-                with set_default_torch_dtype(model_config.dtype), torch.device(device):
-                    model = initialize_model(vllm_config=vllm_config, model_config=model_config)
-                loaded = set(model.load_weights(weights()))
-                counts[type(model).__name__] = (len(loaded), model)
-                loader.track_weights_loading(model, loaded)  # raises on any parameter left unfilled
-        return counts
+    from tests.helpers.vllm_cpu_models import engine_config, load_models, start_cpu_world
 
     tiny = Path(sys.argv[1])
-    tiny_config = engine_config(tiny)
-    torch.ops._C = MissingOps()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with set_current_vllm_config(tiny_config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        initialize_model_parallel(1, 1)
+    tiny_config = engine_config(tiny, num_speculative_tokens=4, max_model_len=4096)
+    start_cpu_world(tiny_config)
     stored = dict(synth.iter_checkpoint(tiny))
-    counts = load_all(tiny_config, lambda: iter(stored.items()), "cpu")
+    counts = load_models(tiny_config, stored.items)
     target = counts["Qwen3_5ForConditionalGeneration"][1]
     gdn = target.language_model.model.layers[0].linear_attn
     hf = "model.language_model.layers.0.linear_attn."
@@ -305,7 +271,7 @@ _LOAD_CHECK = textwrap.dedent(
         for entry in plan:
             for name, shape, dtype in entry.tensors():
                 yield name, torch.zeros((), dtype=dtype).expand(shape)
-    counts = load_all(engine_config(full_dir), planned, "meta")
+    counts = load_models(engine_config(full_dir, num_speculative_tokens=4, max_model_len=4096), planned, "meta")
     result["full"] = {k: v[0] for k, v in counts.items()}
     print("RESULT " + json.dumps(result))
     """

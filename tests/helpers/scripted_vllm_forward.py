@@ -19,7 +19,6 @@ after loading) so the comparison is not lost in bf16 rounding.
 Writes {"target": [T, V] logits, "mtp": [T - 1, V] logits of the MTP rows (ids[i + 1], hidden[i])}.
 """
 
-import socket
 import sys
 from pathlib import Path
 
@@ -32,23 +31,11 @@ import torch.nn.functional as F  # noqa: E402
 cpu_compat.inspect_models_in_process()
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
-from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
-from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
-from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa: E402
-from vllm.model_executor.model_loader.utils import initialize_model  # noqa: E402
-from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
 
 from qwen_serving.checkpoint import synth  # noqa: E402
 from qwen_serving.checkpoint.int4 import unpack_int4  # noqa: E402
-
-
-class NoCompiledOps:  # vllm._C is not built for CPU; layers only look ops up at init
-    def __getattr__(self, name):
-        def op(*args, **kwargs):
-            raise RuntimeError(f"vllm._C.{name} called")
-
-        return op
+from tests.helpers.vllm_cpu_models import engine_config, load_models, start_cpu_world  # noqa: E402
 
 
 class DequantizedInt4:
@@ -100,24 +87,11 @@ def gdn_core(mixed_qkv, b, a, core_attn_out, layer_name):
 
 def main() -> None:
     path, out_path, ids = Path(sys.argv[1]), Path(sys.argv[2]), [int(t) for t in sys.argv[3:]]
-    config = EngineArgs(model=str(path), language_model_only=True, max_model_len=512, enforce_eager=True,
-                        speculative_config={"method": "mtp", "num_speculative_tokens": 1}).create_engine_config()
-    torch.ops._C = NoCompiledOps()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    config = engine_config(path, num_speculative_tokens=1, max_model_len=512)
+    start_cpu_world(config)
     stored = dict(synth.iter_checkpoint(path))
-    models = {}
+    models = {name: model for name, (_, model) in load_models(config, stored.items).items()}
     with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        initialize_model_parallel(1, 1)
-        loader = DefaultModelLoader(config.load_config)
-        for model_config in (config.model_config, config.speculative_config.draft_model_config):
-            with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
-                model = initialize_model(vllm_config=config, model_config=model_config)
-            loader.track_weights_loading(model, set(model.load_weights(iter(stored.items()))))
-            models[type(model).__name__] = model
         text = config.model_config.hf_text_config
         for model in models.values():
             for module in model.modules():

@@ -20,7 +20,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -203,8 +203,11 @@ def _manifest_steps(model_dir: Path) -> set[str]:
     return {Path(n).stem for n in names if n}
 
 
-def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require_files: bool = False) -> ServePlan:
-    """Resolve the knobs, check them, size the pool, render the argv and the exports. Raises PlanError on a refusal."""
+def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require_files: bool = False,
+          will_create: Collection[str] = ()) -> ServePlan:
+    """Resolve the knobs, check them, size the pool, render the argv and the exports. Raises PlanError on a refusal.
+    will_create: paths the caller makes before the server starts (bench/gpu/run_full.py generates its checkpoint),
+    which may be absent like the first start's own."""
     probe = probe or Probe.detect()
     try:
         settings = knobs.resolve(mode, env)
@@ -212,7 +215,7 @@ def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require
         raise PlanError(str(e)) from None
     v = Values.of(mode, settings)
     notes, warnings, derived = _default_notes(settings), misspelt(env, mode, probe), []
-    _check_paths(v, probe)
+    _check_paths(v, probe, will_create)
     model = _model_dir(v, probe, notes, derived)
     served = FAST_MODEL if v.mode == "single" and v.model == "auto" else model  # first start fetches the fast one
     draft_head, settings = _draft_head(v, served, probe, settings, notes, derived)
@@ -254,17 +257,18 @@ def _model_dir(v: Values, probe: Probe, notes: list[str], derived: list[Derived]
     return model
 
 
-def _check_paths(v: Values, probe: Probe) -> None:
+def _check_paths(v: Values, probe: Probe, will_create: Collection[str]) -> None:
     """A path set by hand that does not exist is refused at once, by a dry run too and before install.sh runs;
     only the default dirs that the first-start steps create may be absent."""
-    created = {BASE_MODEL, FAST_MODEL, "auto"} if v.mode == "single" else {BASE_MODEL}
-    for name, value, fix in (
-        ("MODEL", v.model, "point MODEL at a prepared checkpoint dir or unset it"),
-        ("DRAFT", v.draft, f"point DRAFT at a DFlash2 drafter dir, or unset it (first start fetches {knobs.DFLASH2_DRAFTER})"),
-        ("DRAFT_IDS", v.draft_ids, "point DRAFT_IDS at a JSON list of token ids, or unset it"),
+    first_start = {BASE_MODEL, FAST_MODEL, "auto"} if v.mode == "single" else {BASE_MODEL}
+    for name, value, created, fix in (
+        ("MODEL", v.model, first_start, "point MODEL at a prepared checkpoint dir or unset it"),
+        ("DRAFT", v.draft, {knobs.DFLASH2_DRAFTER},
+         f"point DRAFT at a DFlash2 drafter dir, or unset it (first start fetches {knobs.DFLASH2_DRAFTER})"),
+        ("DRAFT_IDS", v.draft_ids, set(), "point DRAFT_IDS at a JSON list of token ids, or unset it"),
     ):
-        if name in v.explicit and value not in (created if name == "MODEL" else {knobs.DFLASH2_DRAFTER}) \
-                and not _in_repo(probe, value).exists():
+        absent_ok = value in created or value in will_create
+        if name in v.explicit and not absent_ok and not _in_repo(probe, value).exists():
             _refuse(f"{name}={value} does not exist; {fix}")
 
 

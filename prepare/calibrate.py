@@ -5,7 +5,8 @@
     bash single-user/calibrate.sh --proxy 18021   # count your own traffic first (Ctrl-C when done), then build
 
 The address, the API key and the checkpoint come from the same knobs and plan as the server's
-(`python -m qwen_serving.plan single`). The counts go to models/calibration-counts.json, written every
+(`python -m qwen_serving.plan single`). The counts go to models/calibration-counts.json (your traffic's to
+models/calibration-counts-traffic.json), written every
 --save-every requests: an interrupted run continues where it stopped when re-run. Then the K most
 frequent ids (plus the end-of-turn ids) become the draft head in the served checkpoint
 (prepare/build_draft_vocab.py, with the held-out coverage), the list is kept in prepare/draft_vocab_ids.json
@@ -64,19 +65,22 @@ def main(argv: list[str] | None = None, env: dict[str, str] | None = None, repo:
     model_dir = repo / p.served
     counts = args.counts or repo / COUNTS
     key = env.get(knobs.SECRET_ENV) or p.secret_env.get(knobs.SECRET_ENV)  # the key the server was started with
-    common = ["--out", str(counts), "--url", server_url(p), "--holdout-every", "10", "--save-every",
-              str(args.save_every), *(["--api-key", key] if key else [])]
+    common = ["--url", server_url(p), "--holdout-every", "10", "--save-every", str(args.save_every),
+              *(["--api-key", key] if key else [])]
+    traffic = counts.with_name(counts.stem + "-traffic.json")  # the user's own, counted apart from the prompt set
     if args.proxy:
-        rc = count_outputs.main([*common, "--proxy", str(args.proxy)])
+        rc = count_outputs.main([*common, "--out", str(traffic), "--proxy", str(args.proxy)])
         if rc:
             return rc
-    rc = count_outputs.main([*common, "--prompts", str(args.prompts), "--tokens", str(args.tokens),
-                             "--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens)])
+    rc = count_outputs.main([*common, "--out", str(counts), "--prompts", str(args.prompts), "--tokens",
+                             str(args.tokens), "--concurrency", str(args.concurrency), "--max-tokens",
+                             str(args.max_tokens)])
     if rc:
         return rc
+    sources = [str(path) for path in (counts, traffic) if path.exists()]
     ids_file = repo / knobs.DRAFT_IDS
-    build = [sys.executable, str(REPO / "prepare" / "build_draft_vocab.py"), str(model_dir), "--counts", str(counts),
-             "--holdout", str(counts), "--k", str(args.k), "--write-ids", str(ids_file)]
+    build = [sys.executable, str(REPO / "prepare" / "build_draft_vocab.py"), str(model_dir), "--counts", *sources,
+             "--holdout", *sources, "--k", str(args.k), "--write-ids", str(ids_file)]
     print(f"calibrate: building the draft head in {p.served}", flush=True)
     if subprocess.run(build, cwd=repo).returncode:
         return 2

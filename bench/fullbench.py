@@ -139,7 +139,7 @@ def serve_plan(cfg: BenchConfig, *, ckpt: Path, port: int, traces: Path,
     if cfg.shared_start:
         knob_env["EXTRA_ARGS"] = shlex.join(["--gpu-memory-utilization", str(SHARED_UTIL),
                                              "--profiler-config", profiler_config(traces)])
-    return plan.build(cfg.mode, knob_env, probe=probe)
+    return plan.build(cfg.mode, knob_env, probe=probe, will_create={str(ckpt)})  # run_full generates it after planning
 
 
 def without_flags(argv: Sequence[str], flags: Sequence[str]) -> list[str]:

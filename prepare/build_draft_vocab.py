@@ -1,9 +1,10 @@
 """Build the MTP draft head: the lm_head rows of the K most frequent output tokens, in place.
 
-    # from a shipped id list
+    # from an id list you have (the first start does this with prepare/draft_vocab_ids.json or DRAFT_IDS)
     python prepare/build_draft_vocab.py models/Qwen3.8-27B-W4A16-AutoRound --ids prepare/draft_vocab_ids.json
     # from counts of the model's own outputs (prepare/count_outputs.py), reporting held-out coverage
-    python prepare/build_draft_vocab.py MODEL --counts counts.json --holdout counts.holdout.json \
+    # (bash single-user/calibrate.sh does both)
+    python prepare/build_draft_vocab.py MODEL --counts counts.json --holdout counts.json \
         --k 40000 --write-ids prepare/draft_vocab_ids.json
 
 Writes mtp.draft_lm_head.* (same format as the lm_head at that moment: run quant_lm_head.py first
@@ -30,7 +31,8 @@ def main() -> int:
     source.add_argument("--ids", help="JSON id list to use as is")
     source.add_argument("--counts", nargs="+", help="token-count files from prepare/count_outputs.py")
     parser.add_argument("--k", type=int, default=draft_vocab.DEFAULT_K, help="draft vocabulary size (with --counts)")
-    parser.add_argument("--holdout", nargs="+", help="count files of outputs not used to choose the list")
+    parser.add_argument("--holdout", nargs="+",
+                        help="count files of outputs not used to choose the list (their held-out part, if they have one)")
     parser.add_argument("--write-ids", help="also write the chosen list here (e.g. prepare/draft_vocab_ids.json)")
     args = parser.parse_args()
 
@@ -51,7 +53,7 @@ def main() -> int:
             say(f"draft_vocab: {len(ids)} ids cover {100 * draft_vocab.coverage(ids, counted):.2f}% of the counted outputs")
         report = {}
         if args.holdout:
-            held = draft_vocab.read_counts(args.holdout)
+            held = draft_vocab.read_counts(args.holdout, "holdout")
             report = {"holdout_tokens": sum(held.values()), "holdout": round(draft_vocab.coverage(ids, held), 6)}
             say(f"draft_vocab: held-out coverage {100 * report['holdout']:.2f}% of {report['holdout_tokens']} tokens")
         if args.write_ids:

@@ -29,6 +29,7 @@ MODES = ("batch", "single")
 BASE_MODEL = "models/Qwen3.8-27B-W4A16-AutoRound"
 FAST_MODEL = "models/Qwen3.8-27B-W4A16-AutoRound-fast"
 DFLASH2_DRAFTER = "models/Qwen3.8-27B-DFlash2-W4A16"
+DRAFT_IDS = "prepare/draft_vocab_ids.json"  # the draft-vocabulary list calibrate.sh writes (none ships)
 KV_MEM_PINNED = 5_583_457_484  # 5.2 GiB: the DFlash2 pool, pinned by bytes (spec: deterministic boots)
 KV_MEM_PINNED_HUGE = 5_261_334_937  # 4.90 GiB: the same for CTX=huge
 SERVED_NAME = "qwen3.8-27b"
@@ -440,8 +441,13 @@ KNOBS: tuple[Knob, ...] = (
          "split-KV Triton attention for the multi-query verify step (FlashAttention backend)", SINGLE,
          export=Export("VLLM_SPEC_DECODE_ATTN", {"SPEC": SPECULATING, "SPEC_ATTN": 1})),
     Knob("MTP_DRAFT_VOCAB", _bit, _rules(Rule(1)),
-         "SPEC=mtp: draft over the 40k-token head built by prepare/build_draft_vocab.py; 0 = full lm_head",
+         "SPEC=mtp: draft over the 40k-token head in MODEL, built from DRAFT_IDS; 0 = the full lm_head (correct, "
+         "slower drafts), what the plan picks when there is neither a head nor a list "
+         "(`bash single-user/calibrate.sh` builds one)",
          SINGLE, export=Export("VLLM_MTP_DRAFT_VOCAB", {"SPEC": "mtp"})),
+    Knob("DRAFT_IDS", _text, _rules(Rule(DRAFT_IDS)),
+         "JSON list of token ids the first start builds the MTP draft head from when MODEL has none "
+         "(`bash single-user/calibrate.sh` writes it); set, it must exist", SINGLE),
     Knob("PREFIX_CACHE", _bit, _rules(Rule(1)),
          "hybrid prefix caching (`--enable-prefix-caching --mamba-cache-mode align`): 20x faster follow-up "
          "turns, one more state page per request; 0 passes `--no-enable-prefix-caching`",
@@ -596,6 +602,7 @@ class Values:
     draft_sample: str
     spec_attn: int
     mtp_draft_vocab: int
+    draft_ids: str
     prefix_cache: int
     int8_act: str
     int8_layers: str

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib.util
 import json
 import os
 import re
@@ -21,11 +20,11 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import dotenv, knobs, memory
+from . import dotenv, knobs, memory, vllm_028
 from .checkpoint import step_names
 from .knobs import API_KEY_FILE, BASE_MODEL, FAST_MODEL, HUGE_KV, KNOBS, KnobError, Setting, Sized, Values
 
@@ -35,9 +34,7 @@ VENV_PYTHON = "venv/bin/python"
 # tests/test_knob_effects.py checks that a patch reads each).
 PATCH_ENV = ("VLLM_V2_CUDAGRAPH_MEM_MIB", "VLLM_SMALL_TOPK_SAMPLER")
 WSL2_PIN_MEMORY = "VLLM_WSL2_ENABLE_PIN_MEMORY"  # exported by the plan itself on WSL2 for SPEC=dflash2
-# vLLM names this module refers to, for when no vllm is installed to read the full list from.
-KNOWN_VLLM_ENV = ("VLLM_API_KEY", "VLLM_WSL2_ENABLE_PIN_MEMORY", "VLLM_USE_FLASHINFER_SAMPLER",
-                  "VLLM_DISABLED_KERNELS", "VLLM_FLASH_ATTN_VERSION", "VLLM_TARGET_DEVICE")
+CALIBRATE = "bash single-user/calibrate.sh"  # builds the MTP draft head from the running server's outputs
 
 
 class PlanError(ValueError):
@@ -46,13 +43,13 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Probe:
-    """Facts about this machine that the plan depends on, read without importing vllm."""
+    """Facts about this machine that the plan depends on. What vLLM accepts comes from vllm_028 (what the plan
+    knows of 0.28.0), never from the installed package: the plan answers the same before install and after."""
 
     repo: Path = REPO
-    vllm_dir: Path | None = None
-    kv_dtypes: frozenset[str] = frozenset()  # empty: vllm not found, so not checked
-    vllm_env: frozenset[str] = frozenset(KNOWN_VLLM_ENV)
-    tool_parsers: frozenset[str] = frozenset()
+    kv_dtypes: frozenset[str] = vllm_028.KV_CACHE_DTYPES
+    vllm_env: frozenset[str] = vllm_028.ENV_NAMES
+    tool_parsers: frozenset[str] = vllm_028.TOOL_PARSERS
     free_vram: int | None = None
     total_vram: int | None = None
     vram_source: str = "not read"
@@ -60,14 +57,7 @@ class Probe:
     vllm_installed: bool = True  # the serving venv has a vllm entry point
 
     @classmethod
-    def detect(cls, repo: Path = REPO, read_gpu: bool = False, vllm_dir: Path | None = None) -> Probe:
-        """vllm_dir: the vllm package to read (default: the one Python would import, else the repo's venv)."""
-        vllm_dir = vllm_dir or _find_vllm(repo)
-        kv, names, parsers = frozenset(), frozenset(KNOWN_VLLM_ENV), frozenset()
-        if vllm_dir:
-            kv = _literal_values(vllm_dir / "config" / "cache.py", "CacheDType")
-            names = names | _dict_keys(vllm_dir / "envs.py", r'^    "(VLLM_[A-Z0-9_]+)":')
-            parsers = _dict_keys(vllm_dir / "tool_parsers" / "__init__.py", r'^    "([a-z0-9_]+)": \(')
+    def detect(cls, repo: Path = REPO, read_gpu: bool = False) -> Probe:
         free = total = None
         source = "not read (explain and KV_MEM=auto read it)"
         if read_gpu:
@@ -77,32 +67,7 @@ class Probe:
         except OSError:
             wsl2 = False
         installed = (repo / "venv" / "bin" / "vllm").exists() or shutil.which("vllm") is not None
-        return cls(repo, vllm_dir, kv, names, parsers, free, total, source, wsl2, installed)
-
-
-def _find_vllm(repo: Path) -> Path | None:
-    spec = importlib.util.find_spec("vllm")  # finds the package without running it
-    if spec and spec.origin:
-        return Path(spec.origin).parent
-    for site in sorted((repo / "venv" / "lib").glob("python3*/site-packages/vllm")):
-        return site
-    return None
-
-
-def _literal_values(path: Path, name: str) -> frozenset[str]:
-    try:
-        text = path.read_text()
-    except OSError:
-        return frozenset()
-    match = re.search(rf"^{name} = Literal\[(.*?)\]", text, re.S | re.M)
-    return frozenset(re.findall(r'"([^"]+)"', match.group(1))) if match else frozenset()
-
-
-def _dict_keys(path: Path, pattern: str) -> frozenset[str]:
-    try:
-        return frozenset(re.findall(pattern, path.read_text(), re.M))
-    except OSError:
-        return frozenset()
+        return cls(repo, free_vram=free, total_vram=total, vram_source=source, wsl2=wsl2, vllm_installed=installed)
 
 
 # Run by the serving venv's python in a child process: this module stays standard library only.
@@ -160,6 +125,7 @@ class ServePlan:
     missing: tuple[Step, ...] = ()
     cache: memory.CacheShape | None = None
     kv_mem: int | None = None
+    served: str = ""  # the checkpoint dir vLLM serves once the first-start steps have run (MODEL=auto: the fast one)
 
     def value(self, name: str) -> object:
         return self.settings[name].value
@@ -202,7 +168,7 @@ def misspelt(env: Mapping[str, str], mode: str, probe: Probe) -> list[str]:
     return out
 
 
-def _first_start_steps(v: Values, model: str, probe: Probe) -> list[Step]:
+def _first_start_steps(v: Values, model: str, probe: Probe, draft_head: Step | None) -> list[Step]:
     repo, py = probe.repo, VENV_PYTHON
     steps = []
     if not probe.vllm_installed:
@@ -216,11 +182,10 @@ def _first_start_steps(v: Values, model: str, probe: Probe) -> list[Step]:
                            (step_names.QUANT_MTP, "the MTP module to int8")):
             if name not in done:
                 steps.append(Step(f"requantize {what} (CPU, minutes)", f"{py} prepare/{name}.py {BASE_MODEL}"))
-        if v.mode == "single" and step_names.DRAFT_VOCAB not in done:
-            steps.append(Step("build the 40k-token MTP draft head",
-                              f"{py} prepare/build_draft_vocab.py {BASE_MODEL} --ids prepare/draft_vocab_ids.json"))
         if v.mode == "single" and not (repo / FAST_MODEL / "config.json").is_file():
             steps.append(Step("fetch the fast variant (~1 GB: int4 lm_head + MTP)", f"{py} prepare/fetch_fast_variant.py"))
+    if draft_head:  # after the fast variant: it replaces the lm_head the draft head's rows come from
+        steps.append(draft_head)
     if v.spec == "dflash2" and v.draft == knobs.DFLASH2_DRAFTER:
         if not (repo / knobs.DFLASH2_DRAFTER / "config.json").is_file():
             steps.append(Step("fetch the W4A16 DFlash2 drafter (1.2 GB)", f"{py} prepare/fetch_dflash2.py"))
@@ -242,8 +207,11 @@ def _manifest_steps(model_dir: Path) -> set[str]:
     return {Path(n).stem for n in names if n}
 
 
-def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require_files: bool = False) -> ServePlan:
-    """Resolve the knobs, check them, size the pool, render the argv and the exports. Raises PlanError on a refusal."""
+def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require_files: bool = False,
+          will_create: Collection[str] = ()) -> ServePlan:
+    """Resolve the knobs, check them, size the pool, render the argv and the exports. Raises PlanError on a refusal.
+    will_create: paths the caller makes before the server starts (bench/gpu/run_full.py generates its checkpoint),
+    which may be absent like the first start's own."""
     probe = probe or Probe.detect()
     try:
         settings = knobs.resolve(mode, env)
@@ -251,8 +219,12 @@ def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require
         raise PlanError(str(e)) from None
     v = Values.of(mode, settings)
     notes, warnings, derived = _default_notes(settings), misspelt(env, mode, probe), []
-    model = _model_dir(v, probe, require_files, notes, derived)
-    missing = _first_start_steps(v, model, probe)
+    _check_paths(v, probe, will_create)
+    model = _model_dir(v, probe, notes, derived)
+    served = FAST_MODEL if v.mode == "single" and v.model == "auto" else model  # first start fetches the fast one
+    draft_head, settings = _draft_head(v, served, probe, settings, notes, derived)
+    v = Values.of(mode, settings)
+    missing = _first_start_steps(v, model, probe, draft_head)
     key, key_source = _api_key(env, probe.repo)
     warnings += _check(v, probe, key, require_files, notes)
     sized, cache, weights = _size_pool(v, model, probe, notes, derived)
@@ -266,7 +238,7 @@ def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require
         derived += _cache_lines(cache, v, sized)
     derived.append(Derived("weights on GPU", _gib(weights), "memory model (int4 body, int8 embed, prepared heads)"))
     return ServePlan(mode, settings, tuple(argv), out_env, secret, key_source, tuple(notes), tuple(warnings),
-                     tuple(derived), tuple(missing), cache, sized.kv_mem)
+                     tuple(derived), tuple(missing), cache, sized.kv_mem, served)
 
 
 def _default_notes(settings: Mapping[str, Setting]) -> list[str]:
@@ -279,17 +251,75 @@ def _default_notes(settings: Mapping[str, Setting]) -> list[str]:
     return notes
 
 
-def _model_dir(v: Values, probe: Probe, require_files: bool, notes: list[str], derived: list[Derived]) -> str:
+def _model_dir(v: Values, probe: Probe, notes: list[str], derived: list[Derived]) -> str:
     model = v.model
     if model == "auto":
         model = FAST_MODEL if (probe.repo / FAST_MODEL / "config.json").is_file() else BASE_MODEL
         if model == BASE_MODEL:
             notes.append(f"MODEL={BASE_MODEL}: the fast variant is not there yet (prepare/fetch_fast_variant.py)")
         derived.append(Derived("MODEL", model, "single: the fast variant if present, else the base requantization"))
-    if "MODEL" in v.explicit and not (probe.repo / model).exists() and not Path(model).exists():
-        (_refuse if require_files else notes.append)(
-            f"MODEL={model} does not exist; point MODEL at a prepared checkpoint dir or unset it")
     return model
+
+
+def _check_paths(v: Values, probe: Probe, will_create: Collection[str]) -> None:
+    """A path set by hand that does not exist is refused at once, by a dry run too and before install.sh runs;
+    only the default dirs that the first-start steps create may be absent."""
+    first_start = {BASE_MODEL, FAST_MODEL, "auto"} if v.mode == "single" else {BASE_MODEL}
+    for name, value, created, fix in (
+        ("MODEL", v.model, first_start, "point MODEL at a prepared checkpoint dir or unset it"),
+        ("DRAFT", v.draft, {knobs.DFLASH2_DRAFTER},
+         f"point DRAFT at a DFlash2 drafter dir, or unset it (first start fetches {knobs.DFLASH2_DRAFTER})"),
+        ("DRAFT_IDS", v.draft_ids, set(), "point DRAFT_IDS at a JSON list of token ids, or unset it"),
+    ):
+        absent_ok = value in created or value in will_create
+        if name in v.explicit and not absent_ok and not _in_repo(probe, value).exists():
+            _refuse(f"{name}={value} does not exist; {fix}")
+
+
+def _in_repo(probe: Probe, path: str) -> Path:
+    """A knob's path as vLLM and the prepare steps see it: relative to the checkout, where they run."""
+    return probe.repo / path  # an absolute path stays itself
+
+
+def _draft_head(v: Values, served: str, probe: Probe, settings: Mapping[str, Setting], notes: list[str],
+                derived: list[Derived]) -> tuple[Step | None, Mapping[str, Setting]]:
+    """Where SPEC=mtp's draft head comes from, in order: the one in the served checkpoint; one the first start
+    builds from a list the user has (DRAFT_IDS); else the full lm_head (MTP_DRAFT_VOCAB=0) until calibrate.sh
+    builds one. Returns the build step, if any, and the settings with MTP_DRAFT_VOCAB as the plan serves it."""
+    if v.mode != "single" or v.spec != "mtp" or not v.mtp_draft_vocab:
+        return None, settings
+    if _has_draft_head(_in_repo(probe, served)):
+        derived.append(Derived("MTP draft head", "in MODEL", f"{served}/config.json names its draft_vocab"))
+        return None, settings
+    ids = _in_repo(probe, v.draft_ids)
+    if ids.is_file():
+        whose = "DRAFT_IDS" if "DRAFT_IDS" in v.explicit else "the list in this checkout"
+        notes.append(f"the MTP draft head is built on first start from {v.draft_ids} ({whose})")
+        derived.append(Derived("MTP draft head", f"built from {v.draft_ids}", whose))
+        return Step(f"build the MTP draft head from {v.draft_ids}",
+                    f"{VENV_PYTHON} prepare/build_draft_vocab.py {shlex.quote(served)} --ids {shlex.quote(v.draft_ids)}"), \
+            settings
+    if "MTP_DRAFT_VOCAB" in v.explicit:
+        _refuse(f"MTP_DRAFT_VOCAB=1 asks for the MTP draft head, and {served} has none and {v.draft_ids} does not "
+                f"exist; unset MTP_DRAFT_VOCAB (the full lm_head serves until a head is built), start, then run "
+                f"{CALIBRATE}; or set DRAFT_IDS=<a JSON list of token ids>")
+    why = (f"no draft vocabulary yet (no draft head in {served}, no {v.draft_ids}): MTP drafts over the full "
+           "lm_head (correct, slower drafts)")
+    notes.append(f"MTP_DRAFT_VOCAB=0 because {why}; once the server is up, {CALIBRATE} counts its own outputs, "
+                 "builds a calibrated head and tells you to restart")
+    derived.append(Derived("MTP draft head", "full lm_head", f"no head, no list: {CALIBRATE} builds one"))
+    return None, {**settings, "MTP_DRAFT_VOCAB": Setting(0, "plan", knobs.Rule(0, why=why))}
+
+
+def _has_draft_head(model_dir: Path) -> bool:
+    """The checkpoint names a draft head in config.json, which is what the engine loads (patches/
+    qwen3_5-mtp-draft-vocab.patch); prepared.json may still record one the fast variant dropped."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("draft_vocab") or
+                                             (config.get("text_config") or {}).get("draft_vocab"))
 
 
 def _check(v: Values, probe: Probe, key: str, require_files: bool, notes: list[str]) -> list[str]:
@@ -307,19 +337,13 @@ def _check(v: Values, probe: Probe, key: str, require_files: bool, notes: list[s
     if refusals:
         _refuse(refusals[0])
     parsers = probe.tool_parsers
-    if v.tools and parsers and v.tool_parser not in parsers:
+    if v.tools and v.tool_parser not in parsers:
         close = difflib.get_close_matches(v.tool_parser, sorted(parsers), n=1)
         _refuse(f"TOOL_PARSER={v.tool_parser} is not a vLLM tool parser"
                 + (f"; did you mean {close[0]}?" if close else "; leave it at qwen3_coder"))
-    if v.spec == "dflash2":
-        drafter = Path(v.draft) if Path(v.draft).is_absolute() else probe.repo / v.draft
-        if not (drafter / "config.json").is_file():
-            msg = (f"SPEC=dflash2 needs the drafter in {v.draft}: run {VENV_PYTHON} prepare/fetch_dflash2.py, "
-                   "or set DRAFT=<drafter dir>, or SPEC=mtp")
-            if require_files:
-                _refuse(msg)
-            if "DRAFT" in v.explicit:
-                notes.append(msg)
+    if v.spec == "dflash2" and require_files and not (_in_repo(probe, v.draft) / "config.json").is_file():
+        _refuse(f"SPEC=dflash2 needs the drafter in {v.draft}: run {VENV_PYTHON} prepare/fetch_dflash2.py, "
+                "or set DRAFT=<drafter dir>, or SPEC=mtp")
     return warnings
 
 
@@ -330,11 +354,11 @@ def _size_pool(v: Values, model: str, probe: Probe, notes: list[str],
     derived.append(Derived("kv-cache-dtype", kv_dtype, kv_why))
     if backend:
         derived.append(Derived("attention-backend", backend, kv_why))
-    if kv_dtype == HUGE_KV and probe.kv_dtypes and HUGE_KV not in probe.kv_dtypes:
+    if kv_dtype == HUGE_KV and HUGE_KV not in probe.kv_dtypes:
         what = "CTX=huge" if v.mode == "single" else "KV=kvarn"
         other = "CTX=long (150k)" if v.mode == "single" else "KV=int4pth (vLLM's own int4 cache) or KV=fp8"
-        _refuse(f"{what} needs the KVarN long-context KV cache, which this vLLM does not have (the KVarN cache is "
-                f"not built yet); set {other}")
+        _refuse(f"{what} needs the KVarN long-context KV cache, which vLLM {vllm_028.VERSION} does not have (the KVarN "
+                f"cache is not built yet); set {other}")
     batched_tokens = memory.PREFILL_CHUNK if v.mode == "single" else None
     cache = None
     if kv_dtype != HUGE_KV:
@@ -416,6 +440,8 @@ def explain_lines(plan: ServePlan, probe: Probe) -> list[str]:
     for name, setting in plan.settings.items():
         if setting.source == "env":
             why = "set in the environment"
+        elif setting.source == "plan" and setting.rule:
+            why = f"set by the plan: {setting.rule.why}"
         elif setting.rule and setting.rule.describe():
             why = f"default because {setting.rule.describe()}" + (f" ({setting.rule.why})" if setting.rule.why else "")
         else:
@@ -442,7 +468,21 @@ def explain_lines(plan: ServePlan, probe: Probe) -> list[str]:
     if plan.missing:
         lines.append("# first start would run")
         lines += [f"{step.command}    # {step.what}" for step in plan.missing]
+    lines.append("# not checked yet")
+    lines += [f"{what:32} = {'not checked yet':24} {why}" for what, why in unchecked(plan, probe)]
     return lines
+
+
+def unchecked(plan: ServePlan, probe: Probe) -> list[tuple[str, str]]:
+    """What this plan took on trust: the names vLLM accepts were checked against vllm_028 (what the plan knows of
+    0.28.0), the same before install as after; what no list can tell is named here."""
+    out = [("vLLM install", f"the plan checks names against vLLM {vllm_028.VERSION}'s, not the install; verify.sh "
+                            "checks the installed version and patch series")]
+    if probe.free_vram is None:
+        out.append(("GPU and free VRAM", probe.vram_source))
+    if not (_in_repo(probe, plan.served) / "config.json").is_file():
+        out.append(("checkpoint contents", f"{plan.served} is not there yet; prepare_status checks it once it is"))
+    return out
 
 
 def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:

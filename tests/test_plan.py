@@ -13,25 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from qwen_serving import knobs, plan
+from qwen_serving import knobs, plan, vllm_028
 from qwen_serving.plan import PlanError, Probe
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def vllm_facts() -> Probe:
-    return Probe.detect(REPO)
-
-
 @pytest.fixture
-def probe(tmp_path, vllm_facts) -> Probe:
-    """This machine's vLLM facts, a repo with the drafter present, and KVarN installed."""
+def probe(tmp_path) -> Probe:
+    """vLLM 0.28.0's facts, a repo with the drafter present, and KVarN as if it were built."""
     drafter = tmp_path / knobs.DFLASH2_DRAFTER
     drafter.mkdir(parents=True)
     (drafter / "config.json").write_text("{}")
-    return Probe(repo=tmp_path, vllm_dir=vllm_facts.vllm_dir, kv_dtypes=vllm_facts.kv_dtypes | {"kvarn"},
-                 vllm_env=vllm_facts.vllm_env, tool_parsers=vllm_facts.tool_parsers)
+    return Probe(repo=tmp_path, kv_dtypes=vllm_028.KV_CACHE_DTYPES | {"kvarn"})
 
 
 def parse(vllm_cli, argv: tuple[str, ...], kv_dtypes: frozenset[str]):
@@ -145,16 +139,15 @@ def test_refuse_long_dflash_block_with_many_seats(probe):
     assert plan.build("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15", "MAX_SEQS": "4"}, probe)
 
 
-def test_refuse_dflash2_without_drafter(tmp_path, vllm_facts):
-    bare = Probe(repo=tmp_path, kv_dtypes=vllm_facts.kv_dtypes)
+def test_refuse_dflash2_without_drafter(tmp_path):
+    bare = Probe(repo=tmp_path)
     refused("single", {"SPEC": "dflash2"}, bare, "prepare/fetch_dflash2.py", require_files=True)
-    refused("single", {"SPEC": "dflash2", "DRAFT": str(tmp_path / "nope")}, bare, "DRAFT=", require_files=True)
     dry = plan.build("single", {"SPEC": "dflash2"}, bare)  # a dry run says what first start fetches
     assert any(step.command.endswith("prepare/fetch_dflash2.py") for step in dry.missing)
 
 
-def test_refuse_huge_without_long_context_kv(probe, vllm_facts):
-    stock = Probe(repo=probe.repo, kv_dtypes=vllm_facts.kv_dtypes - {"kvarn"})
+def test_refuse_huge_without_long_context_kv(probe):
+    stock = Probe(repo=probe.repo)  # what the plan knows of 0.28.0: no KVarN
     for mode, env, fix in (("single", {"CTX": "huge"}, "CTX=long"), ("batch", {"KV": "kvarn"}, "KV=int4pth")):
         msg = refused(mode, env, stock, "the KVarN cache is not built yet")
         assert fix in msg and "install.sh" not in msg
@@ -370,16 +363,175 @@ def prepared_base(tmp_path_factory) -> Path:
 
 
 def test_a_prepared_draft_head_is_not_rebuilt(prepared_base):
-    """The name the draft-head step records in prepared.json is the one the plan looks for."""
-    probe = Probe(repo=prepared_base)
-    draft_step = "prepare/build_draft_vocab.py"
-    assert any(draft_step in s.command for s in plan.build("single", {}, probe).missing)
-    subprocess.run([sys.executable, str(REPO / draft_step), str(prepared_base / knobs.BASE_MODEL), "--ids",
-                    str(prepared_base / "ids.json")], check=True, capture_output=True, timeout=300)
+    """The step the plan lists builds the head it looks for: run it, and the plan serves the head (export 1)."""
+    probe, env = Probe(repo=prepared_base), {"MODEL": knobs.BASE_MODEL, "DRAFT_IDS": "ids.json"}
+    before = plan.build("single", env, probe)
+    [step] = [s for s in before.missing if "build_draft_vocab" in s.command]
+    assert step.command == f"{plan.VENV_PYTHON} prepare/build_draft_vocab.py {knobs.BASE_MODEL} --ids ids.json"
+    assert before.env["VLLM_MTP_DRAFT_VOCAB"] == "1"  # the step runs before vLLM starts
+    argv = shlex.split(step.command.replace(plan.VENV_PYTHON, sys.executable, 1).replace("prepare/", f"{REPO}/prepare/"))
+    subprocess.run(argv, check=True, capture_output=True, timeout=300, cwd=prepared_base)
     recorded = json.loads((prepared_base / knobs.BASE_MODEL / "prepared.json").read_text())["steps"]
     assert list(recorded) == ["draft_vocab"]
-    missing = [s.command for s in plan.build("single", {}, probe).missing]
-    assert not any(draft_step in c for c in missing) and any("quant_lm_head" in c for c in missing)
+    after = plan.build("single", env, probe)
+    assert not any("build_draft_vocab" in s.command for s in after.missing)
+    assert any("quant_lm_head" in s.command for s in after.missing)
+    assert after.env["VLLM_MTP_DRAFT_VOCAB"] == "1" and "MTP draft head" in {d.name for d in after.derived}
+
+
+# ---- the draft vocabulary never blocks a start ----
+def draft_steps(p: plan.ServePlan) -> list[str]:
+    return [s.command for s in p.missing if "build_draft_vocab" in s.command]
+
+
+def test_no_list_serves_the_full_head_and_names_the_calibration(tmp_path):
+    p = plan.build("single", {}, Probe(repo=tmp_path))
+    assert p.env["VLLM_MTP_DRAFT_VOCAB"] == "0" and not draft_steps(p)
+    [note] = [n for n in p.notes if n.startswith("MTP_DRAFT_VOCAB=0 because")]
+    assert "full lm_head" in note and plan.CALIBRATE in note
+    assert p.settings["MTP_DRAFT_VOCAB"].source == "plan"
+    assert any("set by the plan" in line and line.startswith("MTP_DRAFT_VOCAB")
+               for line in plan.explain_lines(p, Probe(repo=tmp_path)))
+    assert "single-user/calibrate.sh" in plan.CALIBRATE and (REPO / "single-user" / "calibrate.sh").is_file()
+
+
+def test_the_list_in_the_checkout_builds_the_head_on_first_start(tmp_path):
+    (tmp_path / "prepare").mkdir()
+    (tmp_path / knobs.DRAFT_IDS).write_text(json.dumps({"ids": [1, 2]}))
+    p = plan.build("single", {}, Probe(repo=tmp_path))
+    # MODEL=auto: the head goes into the fast variant, after the step that fetches it
+    assert draft_steps(p) == [f"venv/bin/python prepare/build_draft_vocab.py {knobs.FAST_MODEL} --ids {knobs.DRAFT_IDS}"]
+    commands = [s.command for s in p.missing]
+    assert commands.index(draft_steps(p)[0]) == commands.index("venv/bin/python prepare/fetch_fast_variant.py") + 1
+    assert p.env["VLLM_MTP_DRAFT_VOCAB"] == "1" and any("the list in this checkout" in n for n in p.notes)
+
+
+def test_draft_ids_changes_the_step(tmp_path):
+    (tmp_path / "mine.json").write_text("[5, 6]")
+    p = plan.build("single", {"DRAFT_IDS": "mine.json"}, Probe(repo=tmp_path))
+    assert draft_steps(p) == [f"venv/bin/python prepare/build_draft_vocab.py {knobs.FAST_MODEL} --ids mine.json"]
+    assert any("mine.json (DRAFT_IDS)" in n for n in p.notes)
+    refused("single", {"DRAFT_IDS": "nope.json"}, Probe(repo=tmp_path), "DRAFT_IDS=nope.json does not exist")
+
+
+def test_a_head_in_the_served_checkpoint_is_used(tmp_path):
+    fast = tmp_path / knobs.FAST_MODEL
+    fast.mkdir(parents=True)
+    (fast / "config.json").write_text(json.dumps({"draft_vocab": {"size": 2, "ids_file": "draft_vocab_ids.json"}}))
+    p = plan.build("single", {}, Probe(repo=tmp_path))
+    assert p.env["VLLM_MTP_DRAFT_VOCAB"] == "1" and not draft_steps(p) and p.served == knobs.FAST_MODEL
+
+
+def test_explicit_mtp_draft_vocab_without_head_or_list_is_refused(tmp_path):
+    msg = refused("single", {"MTP_DRAFT_VOCAB": "1"}, Probe(repo=tmp_path), "unset MTP_DRAFT_VOCAB")
+    assert plan.CALIBRATE in msg and "DRAFT_IDS=" in msg
+    (tmp_path / "ids.json").write_text("[1]")  # with a list it is built
+    assert draft_steps(plan.build("single", {"MTP_DRAFT_VOCAB": "1", "DRAFT_IDS": "ids.json"}, Probe(repo=tmp_path)))
+
+
+def test_no_draft_head_step_where_it_is_not_used(tmp_path):
+    (tmp_path / "ids.json").write_text("[1]")
+    for env in ({"MTP_DRAFT_VOCAB": "0"}, {"SPEC": "dflash2"}, {"SPEC": "off"}):
+        p = plan.build("single", {**env, "DRAFT_IDS": "ids.json"}, Probe(repo=tmp_path))
+        assert not draft_steps(p) and not any("MTP_DRAFT_VOCAB=0 because" in n for n in p.notes), env
+    assert plan.build("single", {"MTP_DRAFT_VOCAB": "0"}, Probe(repo=tmp_path)).env["VLLM_MTP_DRAFT_VOCAB"] == "0"
+
+
+# ---- explicit paths, and the same answer before and after install ----
+@pytest.mark.parametrize(("mode", "env", "needle"), [
+    ("single", {"MODEL": "/no/such/dir"}, "MODEL=/no/such/dir does not exist"),
+    ("batch", {"MODEL": "models/elsewhere"}, "MODEL=models/elsewhere does not exist"),
+    ("batch", {"MODEL": knobs.FAST_MODEL}, "does not exist"),  # batch's first start does not fetch it
+    ("single", {"SPEC": "dflash2", "DRAFT": "/no/drafter"}, "DRAFT=/no/drafter does not exist"),
+    ("single", {"DRAFT": "/no/drafter"}, "DRAFT=/no/drafter does not exist"),
+])
+def test_an_explicit_path_that_does_not_exist_is_refused_at_once(tmp_path, mode, env, needle):
+    refused(mode, env, Probe(repo=tmp_path, vllm_installed=False), needle)
+    r = run_cli(mode, "--missing", env=env)  # the first thing start_server.sh runs: nothing else has run yet
+    assert r.returncode == 2 and needle in r.stderr and not r.stdout
+
+
+@pytest.mark.parametrize(("mode", "env"), [
+    ("single", {"MODEL": knobs.BASE_MODEL}), ("single", {"MODEL": knobs.FAST_MODEL}), ("single", {"MODEL": "auto"}),
+    ("batch", {"MODEL": knobs.BASE_MODEL}), ("single", {"SPEC": "dflash2", "DRAFT": knobs.DFLASH2_DRAFTER}),
+])
+def test_the_default_dirs_first_start_creates_may_be_absent(tmp_path, mode, env):
+    p = plan.build(mode, env, Probe(repo=tmp_path, vllm_installed=False))
+    assert p.missing[0].command == "bash install.sh" and any("download.py" in s.command for s in p.missing)
+
+
+def test_a_path_the_caller_creates_may_be_absent(tmp_path):
+    assert plan.build("batch", {"MODEL": "/ckpt/x"}, Probe(repo=tmp_path), will_create={"/ckpt/x"})
+
+
+@pytest.mark.parametrize(("mode", "env"), [("batch", {"KV": "kvarn"}), ("single", {"CTX": "huge"}),
+                                           ("single", {"SPEC": "dflash2", "CTX": "huge"}),
+                                           ("single", {"TOOL_PARSER": "qwen3_codr"}), ("batch", {}), ("single", {}),
+                                           ("single", {"SPEC": "dflash2"}), ("batch", {"VLLM_MARLN_INPUT_DTYPE": "1"})])
+def test_the_plan_answers_the_same_before_and_after_install(tmp_path, mode, env):
+    def answer(installed: bool):
+        try:
+            p = plan.build(mode, env, Probe(repo=tmp_path, vllm_installed=installed))
+        except PlanError as e:
+            return str(e)
+        return p.argv, dict(p.env), p.notes, p.warnings, [s for s in p.missing if s.command != "bash install.sh"]
+
+    before, after = answer(False), answer(True)
+    assert before == after
+    if env.get("KV") == "kvarn" or env.get("CTX") == "huge":
+        assert isinstance(before, str) and "KVarN" in before
+    if "TOOL_PARSER" in env:
+        assert isinstance(before, str) and "did you mean qwen3_coder" in before
+
+
+def test_probe_detect_reads_no_vllm(tmp_path):
+    """Probe.detect takes vLLM's names from vllm_028 whatever is installed; only the entry point is looked for."""
+    p = Probe.detect(tmp_path)
+    assert (p.kv_dtypes, p.tool_parsers, p.vllm_env) == (vllm_028.KV_CACHE_DTYPES, vllm_028.TOOL_PARSERS,
+                                                         vllm_028.ENV_NAMES)
+
+
+def test_the_frozen_facts_are_vllm_0_28_0s(pristine_vllm):
+    """vllm_028's lists are the pristine 0.28.0's own (the tests' venv), so they cannot drift from the pin."""
+    import re
+
+    assert (pristine_vllm / "_version.py").read_text().count(f"'{vllm_028.VERSION}'") or \
+        f'"{vllm_028.VERSION}"' in (pristine_vllm / "_version.py").read_text()
+    cache = (pristine_vllm / "config" / "cache.py").read_text()
+    literal = re.search(r"^CacheDType = Literal\[(.*?)\]", cache, re.S | re.M).group(1)
+    assert vllm_028.KV_CACHE_DTYPES == set(re.findall(r'"([^"]+)"', literal))
+    parsers = (pristine_vllm / "tool_parsers" / "__init__.py").read_text()
+    assert vllm_028.TOOL_PARSERS == set(re.findall(r'^    "([a-z0-9_]+)": \(', parsers, re.M))
+    from vllm import envs  # the pristine or the patched copy: the patches add names, never remove one
+
+    stock = set(re.findall(r'^    "(VLLM_[A-Z0-9_]+)":', (pristine_vllm / "envs.py").read_text(), re.M))
+    assert vllm_028.ENV_NAMES == stock and stock <= set(envs.environment_variables)
+    assert {"kvarn", "fp8", "int4_per_token_head"} & vllm_028.KV_CACHE_DTYPES == {"fp8", "int4_per_token_head"}
+
+
+def test_explain_says_what_is_not_checked_yet(tmp_path):
+    probe = Probe(repo=tmp_path, vllm_installed=False)
+    text = "\n".join(plan.explain_lines(plan.build("single", {}, probe), probe))
+    section = text.split("# not checked yet\n", 1)[1].splitlines()
+    assert [line.split("=")[0].strip() for line in section] == ["vLLM install", "GPU and free VRAM", "checkpoint contents"]
+    assert all("not checked yet" in line for line in section) and "verify.sh" in section[0]
+
+
+def test_start_server_refuses_before_the_install(tmp_path):
+    """start_server.sh asks the plan first: a refused configuration runs no step, install.sh included."""
+    repo = tmp_path / "checkout"
+    shutil.copytree(REPO / "qwen_serving", repo / "qwen_serving", ignore=shutil.ignore_patterns("__pycache__"))
+    marker = tmp_path / "installed"
+    (repo / "install.sh").write_text(f"touch {marker}\n")
+    no_vllm = [d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "vllm").exists()]
+    env = {"PATH": os.pathsep.join(no_vllm), "MODEL": "/no/such/dir"}
+    r = subprocess.run(["bash", str(repo / "qwen_serving" / "start_server.sh"), "single"], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 2 and "MODEL=/no/such/dir does not exist" in r.stderr and not marker.exists()
+    del env["MODEL"]  # the same checkout with a fine configuration does reach the install step
+    r = subprocess.run(["bash", str(repo / "qwen_serving" / "start_server.sh"), "single"], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert marker.exists() and "step 1/" in r.stdout and "bash install.sh" in r.stdout
 
 
 def test_missing_lists_first_start_commands(tmp_path):

@@ -10,8 +10,19 @@ stub's own (VLLM_DFLASH2_LOOKUP_NMIN above _NMAX). A configuration that sets a r
 render as if it were unset.
 
 The KVarN refusal changed wording too (it no longer points at kvarn/install.sh, which does not
-exist), but the fixture's probe sees no vLLM, so the plan never checks the cache dtype there and no
-fixture output carries that refusal (asserted below); tests/test_plan.py checks the new wording.
+exist); no fixture output carries it (asserted below): the fixture's probe saw no vLLM, and the old plan
+did not check the cache dtype then.
+
+Issue #15 ("First start that works") changed three things on purpose, each filtered and asserted below:
+- The draft vocabulary (item 1): the old single-mode first start always ran `build_draft_vocab.py --ids
+  prepare/draft_vocab_ids.json`, a file that does not exist. The fixture's empty checkout has no list,
+  so that step is gone from every single run; SPEC=mtp serves the full lm_head instead
+  (`VLLM_MTP_DRAFT_VOCAB=0`, was 1) with a note naming calibrate.sh; explain shows the new DRAFT_IDS
+  knob and an "MTP draft head" line. Lines about the draft vocabulary are compared apart (DRAFT_LINES).
+- explain ends with a "# not checked yet" section (item 7): cut off the new output before comparing.
+- False OKs (item 7): the old plan accepted CTX=huge / KV=kvarn (it only checked the cache dtype when it
+  could read an installed vLLM) and an explicit MODEL that does not exist (only a note). Now they are
+  refused before and after install: exactly the configurations in FALSE_OK went from rc 0 to rc 2.
 """
 
 from __future__ import annotations
@@ -28,6 +39,24 @@ FIXTURE = Path(__file__).resolve().parent / "fixtures" / "plan-render.json"
 STUBS = re.compile(r"\b(LOOKUP|VLLM_DFLASH2_LOOKUP\w*|VISION_OFFLOAD|VLLM_VISION_CPU_OFFLOAD)\b")
 BEFORE = json.loads(FIXTURE.read_text())
 ACTIONS = ("--dry-run", "explain")
+DRAFT_LINES = re.compile(r"build_draft_vocab|VLLM_MTP_DRAFT_VOCAB|^(note: )?MTP_DRAFT_VOCAB|^DRAFT_IDS |^MTP draft head ",
+                         re.M)
+NOT_CHECKED = "# not checked yet\n"
+FALSE_OK = {("single", "CTX", "huge"): "CTX=huge needs the KVarN long-context KV cache",
+            ("batch", "KV", "kvarn"): "KV=kvarn needs the KVarN long-context KV cache",
+            ("single", "MODEL", "/no/such/dir"): "MODEL=/no/such/dir does not exist"}
+
+
+def false_ok(mode: str, env: dict[str, str]) -> str | None:
+    """The refusal a configuration the old plan accepted now gets, or None."""
+    return next((why for (m, knob, value), why in FALSE_OK.items() if m == mode and env.get(knob) == value), None)
+
+
+def split_draft_lines(text: str) -> tuple[str, list[str]]:
+    """text without the lines about the draft vocabulary, and those lines."""
+    lines = text.splitlines(keepends=True)
+    return "".join(line for line in lines if not DRAFT_LINES.search(line)), \
+        [line.rstrip("\n") for line in lines if DRAFT_LINES.search(line)]
 
 
 def without_stubs(text: str) -> tuple[str, int]:
@@ -60,15 +89,52 @@ def test_rendering_is_unchanged(mode, env, before):
     if stubs_set:  # a removed knob is now an unknown variable: ignored
         assert {a: after[a] for a in ACTIONS} == {a: render(mode, {k: v for k, v in env.items() if k not in stubs_set})[a]
                                                  for a in ACTIONS}
+    refusal = false_ok(mode, env)
     for action in ACTIONS:
         old, new = before[action], after[action]
         dropped = 0
+        draft_old: list[str] = []
+        draft_new: list[str] = []
         for stream in ("stdout", "stderr"):
             old_text, n = without_stubs(old[stream])
             dropped += n
             assert not STUBS.search(new[stream]), f"{action} {stream} still names a removed stub"
+            new_text = new[stream]
+            if action == "explain" and stream == "stdout" and new["rc"] == 0:
+                new_text, cut = new_text.split(NOT_CHECKED)
+                assert cut.count("not checked yet") == len(cut.splitlines()) >= 1
+            old_text, old_lines = split_draft_lines(old_text)
+            new_text, new_lines = split_draft_lines(new_text)
+            draft_old += old_lines
+            draft_new += new_lines
             if old["rc"] == new["rc"]:
-                assert new[stream] == old_text, (action, stream)
+                assert new_text == old_text, (action, stream)
         assert (dropped > 0) == printed_a_stub(mode, env, action, old["rc"]), (action, "stub filter misfired")
-        if old["rc"] != new["rc"]:  # only the refusal of a stub's own value may go
+        if old["rc"] == new["rc"] == 0:
+            assert_draft_lines_changed_as_intended(mode, env, action, draft_old, draft_new)
+        if refusal:  # a false OK is now refused, with the reason
+            assert old["rc"] == 0 and new["rc"] == 2 and refusal in new["stderr"] and not new["stdout"], action
+        elif old["rc"] != new["rc"]:  # only the refusal of a stub's own value may go
             assert old["rc"] == 2 and new["rc"] == 0 and stubs_set and not without_stubs(old["stderr"])[0], action
+
+
+def assert_draft_lines_changed_as_intended(mode: str, env: dict[str, str], action: str, old: list[str],
+                                           new: list[str]) -> None:
+    if mode == "batch":
+        assert old == new == [], action
+        return
+    step = "prepare/build_draft_vocab.py models/Qwen3.8-27B-W4A16-AutoRound --ids prepare/draft_vocab_ids.json"
+    assert sum(step in line for line in old) == 1 and not any("build_draft_vocab" in line for line in new), action
+    mtp = env.get("SPEC", "mtp") == "mtp"
+    fallback = mtp and env.get("MTP_DRAFT_VOCAB") != "0"
+    if action == "--dry-run":
+        exported = "export VLLM_MTP_DRAFT_VOCAB=" + ("0" if mtp else "")
+        assert [line for line in new if line.startswith("export")] == ([exported] if mtp else []), new
+        assert [line for line in old if line.startswith("export")] == \
+            ([f"export VLLM_MTP_DRAFT_VOCAB={env.get('MTP_DRAFT_VOCAB', '1')}"] if mtp else []), old
+        notes = [line for line in new if line.startswith("note: MTP_DRAFT_VOCAB=0 because")]
+        assert len(notes) == fallback and all("single-user/calibrate.sh" in n for n in notes), new
+    else:
+        assert any(line.startswith("DRAFT_IDS ") for line in new)
+        assert any(line.startswith("MTP draft head ") for line in new) == fallback, new
+

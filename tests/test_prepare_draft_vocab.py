@@ -73,6 +73,7 @@ class _FakeServer(BaseHTTPRequestHandler):
 
 
 def test_count_outputs_against_a_local_server(tmp_path):
+    """The CLI on a JSONL prompt set: cycled until --tokens, every 5th prompt held out, the key sent."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeServer)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -85,7 +86,8 @@ def test_count_outputs_against_a_local_server(tmp_path):
         url = f"http://127.0.0.1:{server.server_address[1]}/v1"
         proc = subprocess.run(
             [sys.executable, str(REPO / "prepare" / "count_outputs.py"), "--prompts", str(prompts), "--out", str(out),
-             "--url", url, "--model", "m", "--api-key", "k3y", "--holdout-every", "5", "--max-tokens", "9"],
+             "--url", url, "--model", "m", "--api-key", "k3y", "--holdout-every", "5", "--max-tokens", "9",
+             "--tokens", "120", "--concurrency", "1"],
             capture_output=True, text=True, timeout=60,
         )
         assert proc.returncode == 0, proc.stderr
@@ -93,15 +95,18 @@ def test_count_outputs_against_a_local_server(tmp_path):
         server.shutdown()
         thread.join()
     counted = draft_vocab.read_counts([out])
-    held = draft_vocab.read_counts([tmp_path / "counts.holdout.json"])
+    held = draft_vocab.read_counts([out], "holdout")
+    requests = json.loads(out.read_text())["requests"]
     expected, expected_held = Counter(), Counter()
-    for n in range(1, 11):
+    for i in range(requests):
+        n = i % 10 + 1
         (expected_held if n % 5 == 0 else expected).update([n % 3, 100 + n] + [7] * n)  # prompts 5 and 10
     assert counted == expected and held == expected_held
-    assert len(_FakeServer.seen) == 10
+    assert sum(counted.values()) + sum(held.values()) >= 120 > sum(counted.values()) + sum(held.values()) - 12
+    assert requests == len(_FakeServer.seen) > 10  # the set is cycled past its end
     assert all(b["return_token_ids"] and b["_auth"] == "Bearer k3y" and b["max_tokens"] == 9 for b in _FakeServer.seen)
-    assert sorted(b["_path"] for b in _FakeServer.seen).count("/v1/chat/completions") == 7
-    assert json.loads(out.read_text())["prompts"] == 8
+    assert [b["seed"] for b in _FakeServer.seen[:11]] == [0] * 10 + [1]  # a new seed each pass
+    assert sorted(b["_path"] for b in _FakeServer.seen[:10]).count("/v1/chat/completions") == 7
 
 
 @pytest.fixture

@@ -105,7 +105,7 @@ def build_servers(args: argparse.Namespace, out: Path) -> list[Server]:
     for i, name in enumerate(args.configs):
         cfg = fb.CONFIGS[name]
         paths = [str(args.patched_site), str(args.site)] if cfg.patched else [str(args.site)]
-        probe = plan.Probe.detect(REPO, vllm_dir=Path(paths[0]) / "vllm")  # the vllm this server runs
+        probe = plan.Probe.detect(REPO)  # the plan's vLLM facts are vllm_028's, whichever vllm the server runs
         traces = out / f"traces-{name}"
         port = args.base_port + i
         cmd = fb.server_command(cfg, python=args.python, ckpt=args.ckpt, port=port, traces=traces, probe=probe)

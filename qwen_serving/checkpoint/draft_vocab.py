@@ -3,6 +3,8 @@
 A token outside the draft vocabulary can never be proposed, so every occurrence of one is a
 forced rejection; coverage (the share of generated tokens inside the list) is the number that
 matters, measured on outputs the list was not chosen from.
+
+Pure logic only (no HTTP): prepare/count_outputs.py asks the server, through bench/serving.py.
 """
 
 from __future__ import annotations
@@ -43,21 +45,62 @@ def coverage(ids: Iterable[int], counts: Counter[int]) -> float:
     return sum(n for token, n in counts.items() if token in inside) / total
 
 
-def read_counts(paths: Iterable[str | Path]) -> Counter[int]:
+def read_counts(paths: Iterable[str | Path], part: str = "counts") -> Counter[int]:
+    """The summed counts of `part` ("counts", or "holdout": the outputs of held-out prompts) of count files; a
+    file without a holdout part gives its counts for "holdout" (a count file of held-out outputs only)."""
     total: Counter[int] = Counter()
     for path in paths:
-        with open(path) as f:
-            data = json.load(f)
-        if data.get("format") != COUNTS_FORMAT:
-            raise ValueError(f"{path} is not a token-count file from prepare/count_outputs.py")
-        total.update({int(token): int(n) for token, n in data["counts"].items()})
+        data = read_count_file(path)
+        chosen = data.get(part) if part in data else data["counts"]
+        total.update({int(token): int(n) for token, n in chosen.items()})
     return total
 
 
-def write_counts(path: str | Path, counts: Counter[int], meta: dict) -> None:
+def read_count_file(path: str | Path) -> dict:
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or data.get("format") != COUNTS_FORMAT:
+        raise ValueError(f"{path} is not a token-count file from prepare/count_outputs.py")
+    return data
+
+
+def write_counts(path: str | Path, counts: Counter[int], meta: dict, holdout: Counter[int] | None = None) -> None:
+    """Counts (and the held-out prompts' counts) with `meta`, written beside and renamed into place."""
     data = {"format": COUNTS_FORMAT, **meta, "total": sum(counts.values()),
             "counts": {str(t): n for t, n in sorted(counts.items())}}
+    if holdout is not None:
+        data["holdout_total"] = sum(holdout.values())
+        data["holdout"] = {str(t): n for t, n in sorted(holdout.items())}
     write_json_atomic(Path(path), data)
+
+
+def is_held_out(prompt_index: int, every: int) -> bool:
+    """Every `every`-th prompt of a set is held out: the list is never chosen from its outputs."""
+    return every > 0 and prompt_index % every == every - 1
+
+
+def expand_prompt_set(data: dict) -> list[dict]:
+    """A prompt set from templates (prepare/calibration_prompts.json): each category's templates filled with
+    each of their slot's values, the categories interleaved so any prefix of the set is mixed. A template is
+    {"text": "... {slot} ...", "slot": NAME} with optional "system" and "tools" (the category's tool list)."""
+    per_category = []
+    for name, category in data["categories"].items():
+        items = []
+        for template in category["templates"]:
+            values = category["slots"][template["slot"]] if "slot" in template else [""]
+            for value in values:
+                messages = [{"role": "system", "content": template["system"]}] if "system" in template else []
+                messages.append({"role": "user", "content": template["text"].replace("{" + template.get("slot", "") + "}",
+                                                                                     value)})
+                item = {"messages": messages}
+                if template.get("tools"):
+                    item["tools"] = [data["tools"][tool] for tool in template["tools"]]
+                items.append(item)
+        if not items:
+            raise ValueError(f"prompt category {name!r} has no prompts")
+        per_category.append(items)
+    longest = max(len(items) for items in per_category)
+    return [items[i] for i in range(longest) for items in per_category if i < len(items)]
 
 
 def read_id_list(path: str | Path) -> list[int]:
@@ -115,52 +158,3 @@ def read_prompts(path: str | Path) -> list[dict]:
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
-
-
-def generated_ids(url: str, item: dict, settings: dict, api_key: str | None, timeout: float) -> list[int]:
-    """One request to an OpenAI-compatible vLLM server; the generated token ids."""
-    import urllib.request
-
-    chat = "messages" in item
-    body = {**settings, **item, "return_token_ids": True}
-    request = urllib.request.Request(
-        f"{url.rstrip('/')}/{'chat/completions' if chat else 'completions'}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})},
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        reply = json.load(response)
-    ids = reply["choices"][0].get("token_ids")
-    if ids is None:
-        raise ValueError("the server returned no token_ids (needs vLLM's return_token_ids, vLLM >= 0.10.2)")
-    return [int(i) for i in ids]
-
-
-def count_outputs(
-    url: str, prompts: list[dict], settings: dict, *, api_key: str | None = None, concurrency: int = 8,
-    holdout_every: int = 0, timeout: float = 600.0, log=print,
-) -> tuple[Counter[int], Counter[int], int]:
-    """Send every prompt; count generated ids (every `holdout_every`-th prompt into the held-out
-    counter). Returns (counts, held_out, failures)."""
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-
-    counts: Counter[int] = Counter()
-    held: Counter[int] = Counter()
-    failures = 0
-    next_report = 0.1
-    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-        futures = {pool.submit(generated_ids, url, item, settings, api_key, timeout): i for i, item in enumerate(prompts)}
-        for done, future in enumerate(as_completed(futures), 1):
-            index = futures[future]
-            try:
-                ids = future.result()
-            except Exception as e:  # one bad request must not lose the rest of the run
-                failures += 1
-                log(f"count_outputs: prompt {index} failed: {e}")
-                continue
-            is_held = holdout_every > 0 and index % holdout_every == holdout_every - 1
-            (held if is_held else counts).update(ids)
-            if done / len(prompts) >= next_report:
-                log(f"count_outputs: {done}/{len(prompts)} prompts, {sum(counts.values()) + sum(held.values())} tokens")
-                next_report += 0.1
-    return counts, held, failures

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_prepare_steps import make_tiny
 
 from qwen_serving import knobs, plan
+from tests.helpers.tiny_checkpoint import make_tiny
 
 REPO = Path(__file__).resolve().parents[1]
 

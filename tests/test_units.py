@@ -97,6 +97,8 @@ def test_refusal_in_the_image_says_what_to_put_in_dotenv(tmp_path, args):
 @pytest.mark.parametrize("mode", MODES)
 def test_prepare_runs_the_modes_own_steps_and_stops(tmp_path, mode):
     root = fake_checkout(tmp_path)
+    (root / "prepare").mkdir()
+    (root / "prepare" / "draft_vocab_ids.json").write_text("[0, 1, 2]")  # a list the user has: the head is built
     r = subprocess.run(["bash", "qwen_serving/start_server.sh", mode, "--prepare"], cwd=root, capture_output=True,
                        text=True, timeout=120, env={"PATH": os.environ["PATH"], "HOME": str(root)})
     assert r.returncode == 0, r.stderr

@@ -99,6 +99,7 @@ def draft_acceptance(target, draft, k: int, steps: int = 4000) -> list[float]:
     for _ in range(steps):
         average += mu
         mu = mu @ start_next
+        mu /= mu.sum()  # rows of float32 inputs sum to 1 +- 1e-7: over thousands of steps that would drift
     average /= steps
     return [float(average @ s) for s in survive]
 
@@ -112,8 +113,7 @@ def predict(ckpt: Path, device: str) -> dict:
 
     t0 = time.time()
     design = Design.read(ckpt)
-    gen = json.loads((ckpt / "generation_config.json").read_text())
-    default = sr.Sampling(float(gen["temperature"]), int(gen["top_k"]), float(gen["top_p"]))
+    default = sr.Sampling(**default_sampling(ckpt))
     ref = sr.Reference(ckpt, device)
     inputs = {"greedy": sr.markov_inputs(ref, design.active, sr.GREEDY),
               "default": sr.markov_inputs(ref, design.active, default)}
@@ -362,7 +362,10 @@ def prompts_for(design, kind: str, count: int) -> list[dict]:
     out = []
     for i in range(count):
         seed = SEEDS[kind] + i
-        made = scripted.quoting_prompt(design, seed) if i % 2 == 0 else scripted.free_prompt(design, seed)
+        if i % 2 == 0:
+            made = scripted.quoting_prompt(design, seed)
+        else:  # 200 tokens at full size; the tiny checkpoint's cycle (255 tokens) holds 127
+            made = scripted.free_prompt(design, seed, length=min(200, len(design.active) // 2))
         out.append({"kind": "quoting" if i % 2 == 0 else "free", "seed": seed, "ids": made["ids"]})
     return out
 
@@ -432,6 +435,35 @@ def judge(rec: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], design, 
     return checks
 
 
+def start_record(path: Path, args: argparse.Namespace, env: Mapping[str, str]) -> Record:
+    patched_env = dict(env)
+    if args.patched_site:
+        patched_env["PYTHONPATH"] = os.pathsep.join([str(args.patched_site), env["PYTHONPATH"]])
+    rec = Record(path, {
+        "schema": SCHEMA, "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "gpu": smoke_lib.gpu_description(), "gpu_state_at_start": run_full.gpu_state(),
+        "versions": {"python": sys.version.split()[0], **smoke_lib.package_versions(smoke_lib.REPORTED_PACKAGES)},
+        "patches": patch_state(args.patched_site, args.python, patched_env),
+        "checkpoint": {"dir": str(args.ckpt), "mtp_agree_asked": args.agree}, "k": K, "max_tokens": MAX_TOKENS,
+        "acceptance_within": ACCEPTANCE_WITHIN, "budget_s": args.budget_s, "limits_s": LIMITS, "phases_s": {},
+        "prediction": None, "servers": {}, "measurements": {}, "checks": {}, "passed": False, "skipped": [],
+        "errors": {},
+        "not_measured_here": ("chi-square of the sampled distribution (>= 1e5 tokens, and the reference's exact "
+                              "distribution on every sampled context), servers for k = 1, 2, 3, 5, 7 (only their "
+                              "predictions), prefix caching, the draft vocabulary"),
+    })
+    rec.save()
+    return rec
+
+
+def finish(rec: Record, design, greedy_prompts: list[dict]) -> bool:
+    """The checks over everything measured; passed when there are some and all pass."""
+    rec.data["checks"] = judge(rec.data, rec.traces, design, greedy_prompts)
+    rec.data["passed"] = bool(rec.data["checks"]) and all(c["passed"] for c in rec.data["checks"].values())
+    rec.save()
+    return rec.data["passed"]
+
+
 def run(args: argparse.Namespace) -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -442,21 +474,7 @@ def run(args: argparse.Namespace) -> int:
         return max(0.0, min(limit, deadline - time.monotonic()))
 
     env = {**os.environ, **smoke_lib.DEVICE_ENV, "PYTHONPATH": os.pathsep.join([str(args.site), str(REPO)])}
-    rec = Record(out / REPORT, {
-        "schema": SCHEMA, "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "gpu": smoke_lib.gpu_description(), "machine": run_full.gpu_state(),
-        "versions": {"python": sys.version.split()[0], **smoke_lib.package_versions(smoke_lib.REPORTED_PACKAGES)},
-        "patches": patch_state(args.patched_site, args.python,
-                               {**env, "PYTHONPATH": os.pathsep.join([str(args.patched_site), str(args.site),
-                                                                      str(REPO)])} if args.patched_site else env),
-        "checkpoint": {"dir": str(args.ckpt), "mtp_agree_asked": args.agree}, "k": K,
-        "budget_s": args.budget_s, "limits_s": LIMITS, "phases_s": {}, "prediction": None, "servers": {},
-        "measurements": {}, "checks": {}, "skipped": [], "errors": {},
-        "not_measured_here": ("chi-square of the sampled distribution (>= 1e5 tokens plus the reference's exact "
-                              "distributions on every sampled context), k = 1, 2, 3, 5, 7 servers, prefix caching, "
-                              "draft vocabulary"),
-    })
-    rec.save()
+    rec = start_record(out / REPORT, args, env)
 
     # 1. the checkpoint
     t0 = time.monotonic()
@@ -521,21 +539,20 @@ def run(args: argparse.Namespace) -> int:
         rec.data["prompts"] = {"greedy": [{k: p[k] for k in ("kind", "seed")} | {"tokens": len(p["ids"])}
                                           for p in greedy_prompts], "sampled": len(sampled_prompts),
                                "c1": len(c1_prompts), "max_tokens": MAX_TOKENS}
-        sampling = dict(zip(("temperature", "top_k", "top_p"), _default_sampling(args.ckpt), strict=True))
+        sampling = default_sampling(args.ckpt)
         for s in servers:
             if s.state == "up":
                 measure_one(s, rec, greedy_prompts, sampled_prompts, c1_prompts, sampling, left)
             s.stop()
             rec.data["servers"][s.cfg.name]["log_tail"] = s.log_tail(40)
-            rec.data["checks"] = judge(rec.data, rec.traces, design, greedy_prompts)
-            rec.save()
+            finish(rec, design, greedy_prompts)
     finally:
         if predictor.poll() is None:
             predictor.kill()
         for s in servers:
             s.stop()
-    rec.data["checks"] = judge(rec.data, rec.traces, design, greedy_prompts)
-    rec.data["passed"] = bool(rec.data["checks"]) and all(c["passed"] for c in rec.data["checks"].values())
+            smoke_lib.trim_to_tail(s.log_path, 8 << 20)
+    finish(rec, design, greedy_prompts)
     rec.phase("total", time.monotonic() - t_start)
     failed = [name for name, c in rec.data["checks"].items() if not c["passed"]]
     log(f"checks: {len(rec.data['checks']) - len(failed)} passed, {len(failed)} failed" +
@@ -543,9 +560,10 @@ def run(args: argparse.Namespace) -> int:
     return 0 if rec.data["passed"] and not rec.data["errors"] else 1
 
 
-def _default_sampling(ckpt: Path) -> tuple[float, int, float]:
+def default_sampling(ckpt: Path) -> dict:
+    """The checkpoint's generation_config sampling, which vLLM applies to requests that set none."""
     gen = json.loads((ckpt / "generation_config.json").read_text())
-    return float(gen["temperature"]), int(gen["top_k"]), float(gen["top_p"])
+    return {"temperature": float(gen["temperature"]), "top_k": int(gen["top_k"]), "top_p": float(gen["top_p"])}
 
 
 def measure_one(server: run_full.Server, rec: Record, greedy_prompts: list[dict], sampled_prompts: list[list[int]],
@@ -571,7 +589,7 @@ def measure_one(server: run_full.Server, rec: Record, greedy_prompts: list[dict]
             m[part] = measure()
             if part == "greedy":
                 rec.keep_traces(name, m[part].pop("traces"))
-        except (OSError, ValueError, KeyError) as err:
+        except Exception as err:  # a failed part is recorded; the other parts and servers still run
             rec.data["errors"][f"{name}: {part}"] = f"{type(err).__name__}: {str(err)[:1500]}"
         rec.phase(f"{name}: {part}", time.monotonic() - t0)
         log(f"{name}: {part} done after {time.monotonic() - t0:.0f} s")

@@ -63,6 +63,8 @@ class BenchConfig:
     reference: Mapping[str, Mapping[str, float]] | None = None  # figures to reproduce (reference_check)
     runs: tuple[str, ...] = ("single-c1",)
     what: str = ""
+    max_len: int = MAX_LEN
+    extra_args: tuple[str, ...] = ()  # vllm serve flags no knob names, through EXTRA_ARGS
 
 
 # The stock flags as plan knobs: no tool parser, the checkpoint's fp32 recurrent state (what vLLM's `auto` picks
@@ -113,6 +115,26 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
 )}
 
 
+# The scripted checkpoint's servers (bench/gpu/scripted_mtp.py: speculation on accepted drafts, issue #16). A
+# short context keeps the pools small, so all three boot beside each other; each pool seats the 8 requests of the
+# greedy batch (memory.CacheShape.residents at 260 + 512 tokens: 10, 9 and 9). Raw logits in the logprobs: the
+# near-tie rule (tests/gpu/smoke_lib.py) reads logit gaps on the bf16 scale. The patched server is the single-user
+# plan as it stands (probabilistic drafts, fp16 state, its prefill chunk), less the tool parser (its ijson
+# dependency is staged separately, and no request here calls a tool) and the draft vocabulary (this checkpoint has
+# no draft head).
+SCRIPTED_MAX_LEN = 4096
+RAW_LOGITS = ("--logprobs-mode", "raw_logits")
+SCRIPTED_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
+    BenchConfig("scripted-stock", False, {**STOCK, **_pool(4, 8)}, runs=(), max_len=SCRIPTED_MAX_LEN,
+                extra_args=RAW_LOGITS, what="stock vLLM 0.28.0, no speculation: the greedy baseline"),
+    BenchConfig("scripted-stock-mtp4", False, {**STOCK, **_pool(10, 8), **_mtp(4)}, runs=(),
+                max_len=SCRIPTED_MAX_LEN, extra_args=RAW_LOGITS, what="stock, MTP k=4, greedy drafts"),
+    BenchConfig("scripted-patched-mtp4", True, {"TOOLS": "0", "MTP_DRAFT_VOCAB": "0", **_pool(6, 8)},
+                vllm_defaults=(), runs=(), max_len=SCRIPTED_MAX_LEN, extra_args=RAW_LOGITS,
+                what="the patch series as the single-user plan runs it: MTP k=4, probabilistic drafts"),
+)}
+
+
 def profiler_config(traces: Path) -> str:
     """vLLM's torch profiler, idle until /start_profile; the API server's own trace is left out."""
     return json.dumps({"profiler": "torch", "torch_profiler_dir": str(traces), "torch_profiler_use_gzip": False,
@@ -134,11 +156,13 @@ def serve_plan(cfg: BenchConfig, *, ckpt: Path, port: int, traces: Path,
     """The config's serve plan: its knobs plus what every server here shares (model, address, context length,
     Triton GDN prefill: no FlashInfer on the test machine) and, on a shared boot, the low utilization and the
     profiler. A refusal of the plan is a PlanError, as for any other serve plan."""
-    knob_env = {"MODEL": str(ckpt), "HOST": "127.0.0.1", "PORT": str(port), "MAX_LEN": str(MAX_LEN),
+    knob_env = {"MODEL": str(ckpt), "HOST": "127.0.0.1", "PORT": str(port), "MAX_LEN": str(cfg.max_len),
                 "GDN_PREFILL": "triton", **cfg.knobs}
+    extra = list(cfg.extra_args)
     if cfg.shared_start:
-        knob_env["EXTRA_ARGS"] = shlex.join(["--gpu-memory-utilization", str(SHARED_UTIL),
-                                             "--profiler-config", profiler_config(traces)])
+        extra = ["--gpu-memory-utilization", str(SHARED_UTIL), "--profiler-config", profiler_config(traces), *extra]
+    if extra:
+        knob_env["EXTRA_ARGS"] = shlex.join(extra)
     return plan.build(cfg.mode, knob_env, probe=probe, will_create={str(ckpt)})  # run_full generates it after planning
 
 

@@ -367,7 +367,7 @@ def markov_inputs(ref: Reference, active: list[int], sampling: Sampling) -> tupl
     transition = sampling_probs(ref.context_free_logits(active)[:, columns], sampling)
     hidden = torch.zeros(len(active), ref.t["hidden_size"], device=ref.w.device)
     logits, vocab = ref.draft_logits(ref.mtp_step(active, hidden, torch.arange(len(active), device=ref.w.device)))
-    propose = torch.tensor([index.get(int(t), -1) for t in vocab[logits.argmax(-1)].tolist()])
+    propose = torch.tensor([index.get(int(t), -1) for t in vocab[logits.argmax(-1)].tolist()], device=logits.device)
     return transition, propose
 
 

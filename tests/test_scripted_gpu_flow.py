@@ -1,0 +1,360 @@
+"""bench/gpu/scripted_mtp.py without a GPU: its three servers through vLLM 0.28.0's own `vllm serve` parser, the
+acceptance maths (probabilistic drafts against a simulation of vLLM's rule, greedy drafts against the reference's
+markov_acceptance, the exact greedy walk by hand), the prediction on the tiny scripted checkpoint, and the
+measurements end to end against fake vLLM servers on loopback, whose /metrics pages are the recorded one with the
+counters they keep; a deliberately wrong acceptance fails its check."""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import json
+import random
+import re
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import fullbench as fb
+from qwen_serving.checkpoint import scripted, synth
+from qwen_serving.checkpoint.scripted_reference import DEFAULT_SAMPLING, Reference, markov_acceptance, markov_inputs
+from qwen_serving.plan import Probe
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench" / "gpu"))
+import scripted_mtp as sm  # noqa: E402
+
+RECORDED = (REPO / "bench" / "fixtures" / "recorded" / "metrics-tiny-mtp.txt").read_text()
+CKPT, TRACES = Path("/ckpt/scripted"), Path("/out/traces")
+
+
+def _command(cfg: fb.BenchConfig, port: int = 18060, ckpt: Path = CKPT) -> fb.ServerCommand:
+    return fb.server_command(cfg, python="py", ckpt=ckpt, port=port, traces=TRACES, probe=Probe.detect(REPO))
+
+
+def test_scripted_servers_are_plans_that_vllm_serve_parses(vllm_cli):
+    methods = {}
+    for name, cfg in fb.SCRIPTED_CONFIGS.items():
+        assert name not in fb.CONFIGS  # run_full.py's configs (and their recorded commands) stay as they were
+        served = fb.serve_plan(cfg, ckpt=CKPT, port=18060, traces=TRACES, probe=Probe.detect(REPO))
+        assert not served.warnings, served.warnings
+        cmd = _command(cfg)
+        ns, ea = vllm_cli.serve(cmd.argv)
+        assert ns.model_tag == str(CKPT) and ea.max_model_len == fb.SCRIPTED_MAX_LEN == 4096
+        assert ea.logprobs_mode == "raw_logits" and ea.gpu_memory_utilization == fb.SHARED_UTIL
+        assert ea.kv_cache_memory_bytes == served.kv_mem and ea.max_num_seqs == sm.GREEDY_PROMPTS
+        assert cmd.env["VLLM_DISABLED_KERNELS"] == "MacheteLinearKernel"  # Marlin, as on the RTX 3090
+        # each pool seats the greedy batch (prompts of ~250 tokens, 512-token answers) at once
+        shape = dataclasses.replace(served.cache, kv_group_fix=cfg.patched)
+        assert shape.residents(served.kv_mem, 260, sm.MAX_TOKENS) >= sm.GREEDY_PROMPTS, name
+        assert (set(served.env) <= set(cmd.env)) if cfg.patched else not set(served.env) & set(cmd.env)
+        spec = ea.speculative_config
+        methods[name] = None if spec is None else (spec["num_speculative_tokens"], spec["draft_sample_method"])
+        assert sm.draft_sample(cmd) == (None if spec is None else spec["draft_sample_method"])
+    assert methods == {"scripted-stock": None, "scripted-stock-mtp4": (4, "greedy"),
+                       "scripted-patched-mtp4": (4, "probabilistic")}
+    patched = _command(fb.SCRIPTED_CONFIGS["scripted-patched-mtp4"])
+    assert patched.env["VLLM_MTP_DRAFT_VOCAB"] == "0" and patched.env["VLLM_SPEC_DECODE_ATTN"] == "1"
+    ns, ea = vllm_cli.serve(patched.argv)
+    assert ea.mamba_ssm_cache_dtype == "float16" and ea.max_num_batched_tokens == 2048  # the single-user plan's
+    assert not ns.enable_auto_tool_choice and ns.tool_call_parser is None  # TOOLS=0: no ijson needed on the device
+
+
+def test_dry_run_prints_the_three_servers(tmp_path):
+    import subprocess
+
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "scripted_mtp.py"), str(tmp_path / "o"),
+                          "--dry-run", "--site", "/s", "--patched-site", "/p"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    commands = [line for line in res.stdout.splitlines() if line.startswith("PYTHONPATH=")]
+    assert [c.split()[0] for c in commands] == ["PYTHONPATH=/s", "PYTHONPATH=/s", "PYTHONPATH=/p:/s"]
+    assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- acceptance maths
+
+
+def _simulate(target: list[list[float]], draft: list[list[float]], k: int, steps: int, seed: int) -> list[float]:
+    """vLLM's rule step by step: draft d ~ draft[x], keep it with min(1, target/draft), a rejection emits from
+    max(target - draft, 0), a full chain adds a bonus from target; per-position share of kept drafts."""
+    rng = random.Random(seed)
+    n = len(target)
+
+    def pick(weights):
+        return rng.choices(range(n), weights=weights)[0]
+
+    kept = [0] * k
+    start = 0
+    for _ in range(steps):
+        current = start
+        for j in range(k):
+            d = pick(draft[current])
+            if rng.random() < min(1.0, target[current][d] / draft[current][d]):
+                kept[j] += 1
+                current = d
+                continue
+            start = pick([max(t - q, 0.0) for t, q in zip(target[current], draft[current], strict=True)])
+            break
+        else:
+            start = pick(target[current])
+    return [c / steps for c in kept]
+
+
+def test_probabilistic_draft_acceptance_matches_a_simulation_of_vllms_rule():
+    target = [[0.1, 0.8, 0.1], [0.2, 0.1, 0.7], [0.6, 0.3, 0.1]]
+    draft = [[0.2, 0.6, 0.2], [0.5, 0.1, 0.4], [0.3, 0.3, 0.4]]
+    k, steps = 3, 20_000
+    predicted = sm.draft_acceptance(torch.tensor(target), torch.tensor(draft), k)
+    simulated = _simulate(target, draft, k, steps, seed=1)
+    for p, s in zip(predicted, simulated, strict=True):
+        assert abs(p - s) <= 4 * (p * (1 - p) / steps) ** 0.5 + 1e-3, (predicted, simulated)
+    # a drafter equal to the target keeps every draft
+    assert sm.draft_acceptance(torch.tensor(target), torch.tensor(target), k) == pytest.approx([1.0] * k)
+
+
+def test_greedy_walk_by_hand():
+    successor = {0: 1, 1: 2, 2: 0}
+    proposal = {0: 1, 1: 0, 2: 0}  # 0 and 2 propose their successor, 1 does not
+    # first 0: drafts 1 (kept), 0 (not 2): emits 2 tokens, then 2: drafts 0, 1 (both kept), 6 tokens in all
+    walk = sm.greedy_walk_acceptance([0], successor, proposal, k=2, max_tokens=6)
+    assert walk == {"drafts": 2, "acceptance_per_position": [1.0, 0.5]}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("scripted-gpu") / "tiny"
+    argv = ["--size", "tiny", "--out", str(out), "--seed", "0", "--behaviour", "scripted", "--mtp-agree", "0.76"]
+    assert synth.main(argv) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def prediction(tiny) -> dict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the reference's many small ops: faster on one of the 2 shared cores
+    try:
+        return sm.predict(tiny, "cpu")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_prediction_from_the_tiny_checkpoint(tiny, prediction):
+    assert prediction["default_sampling"] == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}  # generation_config
+    assert prediction["mtp_agree"] == 0.76 and prediction["k"] == sm.K
+    # greedy drafts: the reference's own markov_acceptance, and the general formula with one-hot drafts agrees
+    ref = Reference(tiny)
+    design = scripted.Design.read(tiny)
+    transition, propose = markov_inputs(ref, design.active, DEFAULT_SAMPLING)
+    by_reference = markov_acceptance(transition, propose, sm.K)
+    assert prediction["acceptance_per_position"]["default_greedy_drafts"] == pytest.approx(by_reference)
+    one_hot = torch.nn.functional.one_hot(propose, len(design.active)).double()
+    assert sm.draft_acceptance(transition, one_hot, sm.K) == pytest.approx(by_reference, abs=1e-9)
+    for name, profile in prediction["acceptance_per_position"].items():
+        assert len(profile) == sm.K and all(1 >= a >= b >= 0 for a, b in zip(profile, profile[1:], strict=False)), name
+        assert prediction["tokens_per_step"][name] == pytest.approx(1 + sum(profile))
+        assert set(prediction["by_k"][name]) == {str(k) for k in sm.K_SWEEP}
+    # vLLM's probabilistic drafts keep more than greedy ones at the same agreement (a drafter that agrees
+    # proposes the target's own distribution, accepted with sum min(p, q) instead of p(chain))
+    assert prediction["tokens_per_step"]["default_probabilistic_drafts"] > prediction["tokens_per_step"][
+        "default_greedy_drafts"]
+    # the greedy maps are the design's chain and MTP proposal
+    assert {int(t): v for t, v in prediction["greedy_successor"].items()} == dict(zip(design.active, design.chain,
+                                                                                      strict=True))
+    assert all(prediction["mtp_proposal"][str(t)] == design.mtp_proposal(t) for t in design.active)
+
+
+# ---------------------------------------------------------------- end to end against fake servers
+
+
+class FakeVllm(http.server.ThreadingHTTPServer):
+    """The OpenAI completions a vLLM server answers (the designed chain, raw top-20 logits, streamed chunks of
+    `per_step` tokens), and its /metrics: the recorded page with the counters this fake keeps, incremented per
+    request by the acceptance profile it is told to show (greedy requests: `greedy_rates`, others: `rates`)."""
+
+    DRAFTS_PER_ANSWER = 1000
+
+    def __init__(self, design: scripted.Design, greedy_rates: list[float] | None, rates: list[float] | None,
+                 logit_noise: float = 0.0):
+        self.design, self.greedy_rates, self.rates, self.noise = design, greedy_rates, rates, logit_noise
+        self.spec = greedy_rates is not None
+        self.lock = threading.Lock()
+        self.counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * sm.K, "tpot": [0.0, 0]}
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _json(self, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):  # noqa: N802
+                body = fake.page().encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
+                answers = [fake.design.walk(p[-1], body["max_tokens"])[1:] for p in prompts]
+                fake.count(len(prompts), body["temperature"] == 0)
+                if not body.get("stream"):
+                    self._json({"choices": [fake.choice(i, a, body) for i, a in enumerate(answers)],
+                                "usage": {"completion_tokens": sum(map(len, answers))}})
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                tokens = answers[0]
+                pieces = [tokens[:1]] + [tokens[i:i + 3] for i in range(1, len(tokens), 3)]
+                for piece in pieces:
+                    chunk = {"choices": [{"index": 0, "text": "x", "token_ids": piece}]}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': 1}})}\n\n"
+                                 .encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+    def count(self, answers: int, greedy: bool) -> None:
+        with self.lock:
+            self.counts["tpot"][0] += answers * 0.01
+            self.counts["tpot"][1] += answers
+            if not self.spec:
+                return
+            rates = self.greedy_rates if greedy else self.rates
+            drafts = answers * self.DRAFTS_PER_ANSWER
+            self.counts["drafts"] += drafts
+            self.counts["draft_tokens"] += drafts * sm.K
+            for pos, rate in enumerate(rates):
+                self.counts["per_pos"][pos] += round(rate * drafts)
+                self.counts["accepted"] += round(rate * drafts)
+
+    def choice(self, index: int, tokens: list[int], body: dict) -> dict:
+        choice = {"index": index, "text": "x", "token_ids": tokens}
+        if body.get("logprobs"):
+            others = self.design.active[:40]
+            tops = []
+            for position, token in enumerate(tokens):
+                top = {f"token_id:{token}": 2.0 + self.noise * (position % 3)}
+                for other in others:
+                    if len(top) < body["logprobs"] and other != token:
+                        top[f"token_id:{other}"] = -12.0
+                tops.append(top)
+            choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in tokens],
+                                  "token_logprobs": [t[f"token_id:{tok}"] for t, tok in zip(tops, tokens, strict=True)],
+                                  "top_logprobs": tops}
+        return choice
+
+    def page(self) -> str:
+        with self.lock:
+            c = self.counts
+            values = {"vllm:spec_decode_num_drafts_total": c["drafts"],
+                      "vllm:spec_decode_num_draft_tokens_total": c["draft_tokens"],
+                      "vllm:spec_decode_num_accepted_tokens_total": c["accepted"],
+                      "vllm:request_time_per_output_token_seconds_sum": c["tpot"][0],
+                      "vllm:request_time_per_output_token_seconds_count": c["tpot"][1]}
+            lines = []
+            for line in RECORDED.splitlines():
+                if "vllm:spec_decode" in line and not self.spec:
+                    continue  # a server without speculation exports none of them
+                name = line.split("{")[0]
+                if name in values:
+                    line = f"{line.rsplit(' ', 1)[0]} {float(values[name])}"
+                elif name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+                    pos = int(re.search(r'position="(\d+)"', line).group(1))
+                    line = f"{line.rsplit(' ', 1)[0]} {float(c['per_pos'][pos])}"
+                lines.append(line)
+            return "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def fakes(tiny, prediction):
+    design = scripted.Design.read(tiny)
+    prompts = sm.prompts_for(design, "greedy", sm.GREEDY_PROMPTS)
+    successor = {int(t): v for t, v in prediction["greedy_successor"].items()}
+    proposal = {int(t): v for t, v in prediction["mtp_proposal"].items()}
+    walk = sm.greedy_walk_acceptance([successor[p["ids"][-1]] for p in prompts], successor, proposal, sm.K,
+                                     sm.MAX_TOKENS)["acceptance_per_position"]
+    wrong = list(prediction["acceptance_per_position"]["default_probabilistic_drafts"])
+    wrong[2] += 0.05  # the patched server's fake accepts 5 points too many at the third position
+    servers = {"scripted-stock": FakeVllm(design, None, None),
+               "scripted-stock-mtp4": FakeVllm(design, walk, prediction["acceptance_per_position"][
+                   "default_greedy_drafts"], logit_noise=0.01),
+               "scripted-patched-mtp4": FakeVllm(design, walk, wrong)}
+    for server in servers.values():
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield servers
+    for server in servers.values():
+        server.shutdown()
+        server.server_close()
+
+
+def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, fakes, tmp_path):
+    import argparse
+
+    import run_full
+
+    design = scripted.Design.read(tiny)
+    args = argparse.Namespace(patched_site=None, python=sys.executable, ckpt=tiny, agree=0.76,
+                              budget_s=sm.DEFAULT_BUDGET_S)
+    rec = sm.start_record(tmp_path / sm.REPORT, args, {"PYTHONPATH": str(REPO)})
+    rec.data["prediction"] = prediction
+    greedy = sm.prompts_for(design, "greedy", sm.GREEDY_PROMPTS)
+    sampled = [p["ids"] for p in sm.prompts_for(design, "sampled", 4)]
+    c1 = [p["ids"] for p in sm.prompts_for(design, "c1", 2)]
+    for name, fake in fakes.items():
+        cfg = fb.SCRIPTED_CONFIGS[name]
+        port = fake.server_address[1]
+        server = run_full.Server(cfg, _command(cfg, port, tiny), port, "", tmp_path / f"{name}.log")
+        sm.measure_one(server, rec, greedy, sampled, c1, sm.default_sampling(tiny), lambda limit: limit)
+    assert not rec.data["errors"], rec.data["errors"]
+    assert sm.finish(rec, design, greedy) is False  # the wrong acceptance
+    data = json.loads((tmp_path / sm.REPORT).read_text())
+    for key in ("schema", "date", "gpu", "versions", "patches", "checkpoint", "k", "prediction", "measurements",
+                "checks", "passed", "phases_s", "skipped", "errors", "not_measured_here"):
+        assert key in data, key
+    assert data["patches"]["series"] == [line for line in (REPO / "patches" / "series").read_text().splitlines()
+                                         if line and not line.startswith("#")]
+    meas = data["measurements"]
+    assert set(meas) == set(fakes) and "sampled" not in meas["scripted-stock"]
+    assert meas["scripted-stock"]["greedy"]["spec"]["speculative"] is False
+    assert (tmp_path / "scripted-stock-greedy.json").exists()  # the traces, beside the report
+    c1_stock = meas["scripted-stock"]["c1"]
+    assert c1_stock["client_tokens_per_chunk"] == pytest.approx(511 / 171) and c1_stock["server_tpot_ms"] == pytest.approx(10.0)
+    mtp = meas["scripted-stock-mtp4"]
+    assert mtp["draft_sample"] == "greedy" and meas["scripted-patched-mtp4"]["draft_sample"] == "probabilistic"
+    assert mtp["c1"]["ms_per_step"] == pytest.approx(10.0 * mtp["c1"]["spec"]["tokens_per_step"])
+    checks = data["checks"]
+    failed = sorted(name for name, check in checks.items() if not check["passed"])
+    assert failed == ["scripted-patched-mtp4: default-sampling acceptance per position = prediction "
+                      "(default_probabilistic_drafts)"]
+    wrong = checks[failed[0]]
+    assert wrong["difference"][2] == pytest.approx(0.05, abs=1e-3) and wrong["within"] == sm.ACCEPTANCE_WITHIN
+    assert len(checks) == 3 + 2 * 3 + 2  # chain x3; identity, logits, greedy walk x2; sampled x2
+    identical = checks["scripted-stock-mtp4: greedy token-identical to no speculation"]
+    assert identical["token_identical_prompts"] == sm.GREEDY_PROMPTS
+    logits = checks["scripted-stock-mtp4: top-20 raw logits agree with no speculation"]
+    assert logits["max_abs_diff"] == pytest.approx(0.02) and logits["passed"]  # 0.02 < 4 bf16 steps at 2.0
+
+
+def test_off_chain_answers_and_logit_drift_fail():
+    chain = [11, 12, 13, 14, 15, 16]
+    good = sm.smoke_lib.GreedyTrace(chain, [2.0] * 6, [{t: 2.0, 7: -12.0} for t in chain])
+    assert sm.chain_check([good], [chain])["passed"]
+    bad = dataclasses.replace(good, token_ids=chain[:3] + [7] + chain[4:])
+    assert sm.chain_check([bad], [chain])["off_chain"] == [{"prompt": 0, "position": 3}]
+    drift = dataclasses.replace(good, top=[{t: 2.0 + 0.07, 7: -12.0} for t in chain])  # 4.5 bf16 steps at 2
+    result = sm.logit_agreement([good], [drift])
+    assert not result["passed"] and result["over_count"] == 6 and result["max_diff_bf16_ulps"] == pytest.approx(4.48)

@@ -36,7 +36,9 @@ class Server(serving.ServerProcess):
     """One config's server, with where it stands: new -> starting -> up | died | timeout -> stopped."""
 
     def __init__(self, cfg: fb.BenchConfig, cmd: fb.ServerCommand, port: int, pythonpath: str, log_path: Path):
-        super().__init__(cfg.name, cmd.argv, port, log_path, env={**os.environ, **cmd.env, "PYTHONPATH": pythonpath})
+        # the repo last: a patched vLLM imports qwen_serving.engine as soon as vllm.envs loads (patches/env-vars.patch)
+        env = {**os.environ, **cmd.env, "PYTHONPATH": os.pathsep.join([pythonpath, str(REPO)])}
+        super().__init__(cfg.name, cmd.argv, port, log_path, env=env)
         self.cfg, self.cmd, self.pythonpath = cfg, cmd, pythonpath
         self.state = "new"
 

@@ -391,7 +391,7 @@ def build_servers(args: argparse.Namespace, out: Path) -> list[run_full.Server]:
     servers = []
     for i, cfg in enumerate(fb.SCRIPTED_CONFIGS.values()):
         paths = [str(args.patched_site), str(args.site)] if cfg.patched else [str(args.site)]
-        probe = plan.Probe.detect(REPO, vllm_dir=Path(paths[0]) / "vllm")
+        probe = plan.Probe.detect(REPO)  # the plan's vLLM facts are vllm_028's, whichever vllm the server runs
         cmd = fb.server_command(cfg, python=args.python, ckpt=args.ckpt, port=args.base_port + i,
                                 traces=out / f"traces-{cfg.name}", probe=probe)
         servers.append(run_full.Server(cfg, cmd, args.base_port + i, os.pathsep.join(paths),

@@ -31,15 +31,6 @@ def stable_sort(monkeypatch):
 
 
 @pytest.fixture
-def sort_path(monkeypatch, stable_sort):
-    """vLLM's dispatcher on its sort path (CUDA below 8 rows), whose tie rule `stock_mask` applies; the Triton
-    path's rule is tested in tests/test_sampler_exactness.py."""
-    from vllm.v1.sample.ops import topk_topp_sampler
-
-    monkeypatch.setattr(topk_topp_sampler, "HAS_TRITON", False)
-
-
-@pytest.fixture
 def kernel_calls(monkeypatch):
     """Counts the kernel entry points the routing reaches."""
     calls = []
@@ -110,7 +101,7 @@ def test_apply_top_k_top_p_matches_pristine_vllm(monkeypatch, stable_sort, kerne
     assert len(kernel_calls) == 1
 
 
-def test_topk_topp_sampler_forward_native(sort_path, kernel_calls):
+def test_topk_topp_sampler_forward_native(stable_sort, kernel_calls):
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
     logits, k, p = batch()
@@ -139,7 +130,7 @@ def sampling_metadata(k, p, temperature, top_k_max):
         bad_words_token_ids={}, logitsprocs=LogitsProcessors(), top_k_max=top_k_max)
 
 
-def test_rejection_sampler_constraints_per_token(sort_path, kernel_calls):
+def test_rejection_sampler_constraints_per_token(stable_sort, kernel_calls):
     # the verify step: per-request k/p expanded to every draft token's row
     from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
 
@@ -178,7 +169,7 @@ def test_input_batch_reports_host_top_k_max():
     assert add(3, SamplingParams(temperature=0.0)) == VOCAB  # greedy rows have no top-k
 
 
-def test_v2_sampling_states(monkeypatch, sort_path, kernel_calls):
+def test_v2_sampling_states(monkeypatch, stable_sort, kernel_calls):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.worker.gpu import buffer_utils
     from vllm.v1.worker.gpu.sample import sampler as v2_sampler

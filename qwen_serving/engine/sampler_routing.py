@@ -4,13 +4,10 @@ patches/sampler-small-topk.patch hands vLLM's ``apply_top_k_top_p`` the batch's 
 host array vLLM fills the device top-k from (so no device sync), and calls these functions, which decide from
 shapes, dtypes and that bound alone. Anything they do not take returns None and vLLM's own path runs.
 
-The kernel's masks are vLLM's, ties included: vLLM's dispatcher sorts below 8 rows on CUDA (every token tied
-at the k-th value survives) and runs its Triton kernel from 8 rows up and on CPU (exactly k survive, the lower
-index first); the patch tells the kernel which of the two it stands in for (tests/test_sampler_exactness.py).
-So the target distribution is unchanged. Drafts are different: vLLM samples them from the plain softmax and
-ignores top-k/top-p; sampling them from the target's truncated support (sort tie rule) instead only changes the
-proposal distribution q, which rejection sampling corrects for exactly, and spares drafts that the target could
-never accept.
+The kernel's masks are vLLM's (ties included, tests/test_kernel_topk_topp.py), so the target distribution is
+unchanged. Drafts are different: vLLM samples them from the plain softmax and ignores top-k/top-p; sampling them
+from the target's truncated support instead only changes the proposal distribution q, which rejection sampling
+corrects for exactly, and spares drafts that the target could never accept.
 """
 
 from __future__ import annotations
@@ -42,16 +39,12 @@ def takes_small_k(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor 
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None, k_max: int | None, exact_k: bool = False
+    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None, k_max: int | None
 ) -> torch.Tensor | None:
-    """vLLM's ``apply_top_k_top_p`` through the kernel (logits masked in place and returned), or None.
-
-    exact_k: whether vLLM would have taken its Triton path here (exactly k tokens kept at a tie at the k-th
-    value, the lower index first, also at the top-p cut) rather than its sort (every tie at the k-th value).
-    """
+    """vLLM's ``apply_top_k_top_p`` through the kernel (logits masked in place and returned), or None."""
     if not takes_small_k(logits, k, p, k_max):
         return None
-    return apply_top_k_top_p_small_k(logits, k, p, k_max, exact_k=exact_k)
+    return apply_top_k_top_p_small_k(logits, k, p, k_max)
 
 
 def draft_probs(

@@ -64,7 +64,6 @@ def _plan_kernel(
     K_PAD: tl.constexpr,
     HAS_P: tl.constexpr,
     NB_PAD: tl.constexpr,
-    EXACT_K: tl.constexpr,
 ):
     # One program per row: top-p over the <= k_max + 1 candidates, reduced to a cut point and a normalizer.
     r = tl.program_id(0)
@@ -77,35 +76,25 @@ def _plan_kernel(
     counts = tl.load(tie_count_ptr + r * num_blocks + blocks, mask=blocks < num_blocks, other=0)
     tl.store(tie_offset_ptr + r * num_blocks + blocks, tl.cumsum(counts, axis=0) - counts, mask=blocks < num_blocks)
 
-    # Ascending order without sorting: compare every candidate with every other one. The int64 key orders
-    # like (value, index) for the sort rule and like (value, -index) for the exact-k rule; padding lanes get
-    # the smallest key and weigh nothing.
+    # Ascending (value, index) order without sorting: compare every candidate with every other one.
+    # The int64 key orders like (value, index); padding lanes get the smallest key and weigh nothing.
     j = tl.arange(0, K_PAD)
     lane_ok = j < K
     v = tl.load(vals_ptr + r * K + j, mask=lane_ok, other=float("-inf"))
     ids = tl.load(idx_ptr + r * K + j, mask=lane_ok, other=0).to(tl.int32)
     bits = (v + 0.0).to(tl.int32, bitcast=True)  # + 0.0 makes -0.0 equal to 0.0
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    tie_key = ids
-    if EXACT_K:
-        tie_key = 0x7FFFFFFF - ids
-    key = tl.where(lane_ok, (ordered.to(tl.int64) << 32) | tie_key.to(tl.int64), -9223372036854775807 - 1)
+    key = tl.where(lane_ok, (ordered.to(tl.int64) << 32) | ids.to(tl.int64), -9223372036854775807 - 1)
 
+    support = lane_ok & (v >= thr)
     tied = lane_ok & (v == thr)
+    cand_ties = tl.sum(tied.to(tl.int32), axis=0)
+    num_ties = tl.where(overflow, tl.sum(counts, axis=0), cand_ties)
+    is_last_tied = tied & (key == tl.max(tl.where(tied, key, -9223372036854775807 - 1), axis=0))
+    e = tl.where(support, tl.exp(v - row_max), 0.0)
     e_thr = tl.exp(thr - row_max)
-    if EXACT_K:
-        # the k largest keys; on overflow the tied candidates stand in for the lowest-index tied tokens
-        # (equal weights), and the apply pass picks those by rank
-        support = lane_ok & (tl.sum((key[None, :] > key[:, None]).to(tl.int32), axis=1) < k)
-        w = tl.where(support, tl.exp(v - row_max), 0.0)
-    else:
-        support = lane_ok & (v >= thr)
-        cand_ties = tl.sum(tied.to(tl.int32), axis=0)
-        num_ties = tl.where(overflow, tl.sum(counts, axis=0), cand_ties)
-        is_last_tied = tied & (key == tl.max(tl.where(tied, key, -9223372036854775807 - 1), axis=0))
-        e = tl.where(support, tl.exp(v - row_max), 0.0)
-        # ties outside the candidates sit just before the last tied candidate in ascending order
-        w = e + tl.where(is_last_tied, (num_ties - cand_ties).to(tl.float32) * e_thr, 0.0)
+    # ties outside the candidates sit just before the last tied candidate in ascending order
+    w = e + tl.where(is_last_tied, (num_ties - cand_ties).to(tl.float32) * e_thr, 0.0)
     support_sum = tl.sum(w, axis=0)
     if HAS_P:
         one_minus_p = 1.0 - tl.load(p_ptr + r).to(tl.float32)
@@ -117,28 +106,19 @@ def _plan_kernel(
         masked = j < 0
     kept = support & ~masked
 
+    # overflow and top-p stops inside the tied group: the cut is a rank among the tied tokens
+    rank_mode = overflow & (tl.sum((masked & is_last_tied).to(tl.int32), axis=0) == 0)
+    tied_masked = tl.floor(one_minus_p / (e_thr / support_sum))
+    tied_masked = tl.minimum(tl.maximum(tied_masked, 0.0), (num_ties - 1).to(tl.float32)).to(tl.int32)
     is_first_kept = key == tl.min(tl.where(kept, key, 9223372036854775807), axis=0)
     lex_val = tl.sum(tl.where(is_first_kept, v, 0.0), axis=0)
     lex_idx = tl.sum(tl.where(is_first_kept, ids, 0), axis=0)
-    kept_sum = tl.sum(tl.where(kept, w, 0.0), axis=0)
-    # overflow and the cut inside the tied group: the cut is a rank among the tied tokens (by index)
-    if EXACT_K:
-        tied_kept = tl.sum((kept & tied).to(tl.int32), axis=0)
-        rank_mode = overflow & (tied_kept > 0)
-        rank_cut = 1 - tied_kept  # the apply pass negates ranks: keeps ranks 0 .. tied_kept - 1
-        norm = kept_sum
-        lex_key = -lex_idx
-    else:
-        rank_mode = overflow & (tl.sum((masked & is_last_tied).to(tl.int32), axis=0) == 0)
-        rank_cut = tl.floor(one_minus_p / (e_thr / support_sum))
-        rank_cut = tl.minimum(tl.maximum(rank_cut, 0.0), (num_ties - 1).to(tl.float32)).to(tl.int32)
-        above_sum = tl.sum(tl.where(lane_ok & (v > thr), w, 0.0), axis=0)
-        norm = tl.where(rank_mode, above_sum + (num_ties - rank_cut).to(tl.float32) * e_thr, kept_sum)
-        lex_key = lex_idx
+    above_sum = tl.sum(tl.where(lane_ok & (v > thr), e, 0.0), axis=0)
+    rank_norm = above_sum + (num_ties - tied_masked).to(tl.float32) * e_thr
     tl.store(row_max_ptr + r, row_max)
-    tl.store(norm_ptr + r, norm)
+    tl.store(norm_ptr + r, tl.where(rank_mode, rank_norm, tl.sum(tl.where(kept, w, 0.0), axis=0)))
     tl.store(cut_val_ptr + r, tl.where(rank_mode, thr, lex_val))
-    tl.store(cut_key_ptr + r, tl.where(rank_mode, rank_cut, lex_key))
+    tl.store(cut_key_ptr + r, tl.where(rank_mode, tied_masked, lex_idx))
     tl.store(rank_mode_ptr + r, rank_mode.to(tl.int32))
 
 
@@ -159,7 +139,6 @@ def _apply_cut_kernel(
     WRITE_PROBS: tl.constexpr,
     MASK_LOGITS: tl.constexpr,
     BLOCK: tl.constexpr,
-    EXACT_K: tl.constexpr,
 ):
     r = tl.program_id(0)
     b = tl.program_id(1)
@@ -172,8 +151,6 @@ def _apply_cut_kernel(
     # rank of a tied token among all tokens equal to the cut value, by index
     rank = tl.load(tie_offset_ptr + r * num_blocks + b) + tl.cumsum(at_cut.to(tl.int32), axis=0) - at_cut.to(tl.int32)
     key = tl.where(tl.load(rank_mode_ptr + r) != 0, rank, offs)
-    if EXACT_K:
-        key = -key  # among tied tokens the lower index ranks higher
     kept = in_row & ((x > cut_val) | (at_cut & (key >= tl.load(cut_key_ptr + r))))
     if WRITE_PROBS:
         probs = tl.exp(x - tl.load(row_max_ptr + r)) / tl.load(norm_ptr + r)
@@ -204,7 +181,6 @@ def _top_k_top_p(
     probs_out: torch.Tensor | None,
     mask_logits: bool,
     block: int,
-    exact_k: bool,
 ) -> None:
     _check(logits, k, p, k_max)
     rows, vocab = logits.shape
@@ -244,7 +220,6 @@ def _top_k_top_p(
         K_PAD=max(16, triton.next_power_of_2(num_cand)),
         HAS_P=p is not None,
         NB_PAD=max(16, triton.next_power_of_2(num_blocks)),
-        EXACT_K=exact_k,
     )
     _apply_cut_kernel[(rows, num_blocks)](
         logits,
@@ -262,49 +237,31 @@ def _top_k_top_p(
         WRITE_PROBS=probs_out is not None,
         MASK_LOGITS=mask_logits,
         BLOCK=block,
-        EXACT_K=exact_k,
     )
 
 
-def top_k_top_p_reference(
-    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None, exact_k: bool = False
-) -> torch.Tensor:
-    """Plain-torch definition (full stable sort): a masked copy of logits, -inf outside the kept set.
-
-    exact_k=False: vLLM's sort path (every tie at the k-th value kept); True: its Triton path (exactly k kept,
-    ties broken towards the lower index, also at the top-p cut).
-    """
-    row = logits.flip(1) if exact_k else logits  # reversed, a stable sort puts the lower index of a tie last
-    ascending, order = row.sort(dim=-1, stable=True)
+def top_k_top_p_reference(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """Plain-torch definition (full stable sort): a masked copy of logits, -inf outside the kept set."""
+    ascending, order = logits.sort(dim=-1, stable=True)
     drop = torch.zeros_like(ascending, dtype=torch.bool)
     if k is not None:
-        first_kept = (logits.shape[1] - k.long()).clamp(min=0)[:, None]
-        if exact_k:
-            drop = torch.arange(logits.shape[1], device=logits.device)[None, :] < first_kept
-        else:
-            drop = ascending < ascending.gather(1, first_kept)
+        kth_largest = ascending.gather(1, (logits.shape[1] - k.long()).clamp(min=0)[:, None])
+        drop = ascending < kth_largest
     if p is not None:
         probs = ascending.masked_fill(drop, float("-inf")).softmax(dim=-1)
         drop = drop | (probs.cumsum(dim=-1) <= 1 - p[:, None])
         drop[:, -1] = False  # the most likely token always survives
-    masked = row.scatter(1, order, ascending.masked_fill(drop, float("-inf")))
-    return masked.flip(1) if exact_k else masked
+    return logits.scatter(1, order, ascending.masked_fill(drop, float("-inf")))
 
 
 def apply_top_k_top_p_small_k(
-    logits: torch.Tensor,
-    k: torch.Tensor,
-    p: torch.Tensor | None,
-    k_max: int,
-    block: int = DEFAULT_BLOCK,
-    exact_k: bool = False,
+    logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor | None, k_max: int, block: int = DEFAULT_BLOCK
 ) -> torch.Tensor:
     """Drop-in for vLLM's ``apply_top_k_top_p`` when every row's k <= k_max <= MAX_K: masks logits in place.
 
     k: [rows] int, each in [1, k_max] (values outside are clamped); p: [rows] float in (0, 1] or None.
-    exact_k: the tie rule of vLLM's Triton path (exactly k kept, the lower index first) instead of its sort's.
     """
-    _top_k_top_p(logits, k, p, k_max, None, True, block, exact_k)
+    _top_k_top_p(logits, k, p, k_max, None, True, block)
     return logits
 
 
@@ -316,14 +273,13 @@ def top_k_top_p_probs(
     out: torch.Tensor | None = None,
     mask_logits: bool = False,
     block: int = DEFAULT_BLOCK,
-    exact_k: bool = False,
 ) -> torch.Tensor:
     """Probabilities of the top-k/top-p truncated distribution (softmax of vLLM's masked logits), fp32."""
     if out is None:
         out = torch.empty_like(logits, dtype=torch.float32)
     elif out.shape != logits.shape or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError("out must be a float32 tensor shaped like logits with contiguous rows")
-    _top_k_top_p(logits, k, p, k_max, out, mask_logits, block, exact_k)
+    _top_k_top_p(logits, k, p, k_max, out, mask_logits, block)
     return out
 
 
@@ -334,14 +290,13 @@ def sample_top_k_top_p(
     k_max: int,
     generators: dict[int, torch.Generator] | None = None,
     block: int = DEFAULT_BLOCK,
-    exact_k: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row from the truncated distribution; returns (tokens int64, probs).
 
     Used for the target and for drafts alike, so a draft is drawn from the same truncated support the target
     verifies against. generators: optional per-row torch generators (seeded requests).
     """
-    probs = top_k_top_p_probs(logits, k, p, k_max, block=block, exact_k=exact_k)
+    probs = top_k_top_p_probs(logits, k, p, k_max, block=block)
     return sample_from_probs(probs, generators), probs
 
 

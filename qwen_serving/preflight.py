@@ -4,9 +4,8 @@ line, and a FAIL says what to do.
 
     python -m qwen_serving.preflight [--model-dir DIR] [--need-disk]
 
-Standard library only; never imports torch or vllm. Written for the serve plan to call `run()` before the
-first-start steps (not wired in yet); --dry-run and explain are not to call it, so they keep working on
-machines without a GPU.
+Standard library only; never imports torch or vllm. qwen_serving/start_server.sh runs it before the first-start
+steps when it is to serve; --dry-run, explain and --prepare do not, so they work on machines without a GPU.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 # The body of batch/start_qwen.sh and single-user/start_qwen.sh: bash qwen_serving/start_server.sh MODE [ARG]
 # First start runs what is missing (install.sh, download, prepare steps; each resumes where it stopped and
 # is a no-op once done), then execs the command the serve plan builds. Everything else is the plan's.
-# --prepare runs the missing steps and stops (docker-compose.yml's prepare services).
+# --prepare runs the missing steps and stops (docker-compose.yml's prepare services: no GPU needed, no preflight).
 set -euo pipefail
 MODE="$1"; shift
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -24,6 +24,9 @@ case "${1:-}" in
   *) echo "usage: start_qwen.sh [--dry-run | explain | --missing | --prepare]" >&2; exit 2 ;;
 esac
 steps="$("$PY" -m qwen_serving.plan "$MODE" --missing)" || refused  # a refused configuration stops here
+need_disk=(); grep -q "prepare/download.py" <<<"$steps" && need_disk=(--need-disk)
+# serving: GPU, driver, VRAM, Python (and disk for a download) checked before anything heavy
+[ "${1:-}" = --prepare ] || "$PY" -m qwen_serving.preflight "${need_disk[@]}" || exit 2
 total=$(grep -c . <<<"$steps" || true)
 n=0
 while IFS= read -r step; do

@@ -45,15 +45,28 @@ def fake_checkout(tmp_path: Path) -> Path:
                                     'echo "$*" >> "$(dirname "$0")/../../steps.log"\n')
     (bin_dir / "vllm").write_text('#!/usr/bin/env bash\necho "$* | key=$VLLM_API_KEY | '
                                   'spec_attn=${VLLM_SPEC_DECODE_ATTN:-}" > "$(dirname "$0")/../../vllm.log"\n')
-    for f in bin_dir.iterdir():
+    gpu_dir = root / "fake-gpu"  # on PATH in start(): the preflight sees a 3090 (start(..., gpu=False): none)
+    gpu_dir.mkdir()
+    (gpu_dir / "nvidia-smi").write_text('#!/usr/bin/env bash\necho "NVIDIA GeForce RTX 3090, 24576, 580.95.05"\n')
+    for f in (*bin_dir.iterdir(), gpu_dir / "nvidia-smi"):
         f.chmod(0o755)
     return root
 
 
-def start(root: Path, folder: str, *args: str, **env: str) -> subprocess.CompletedProcess:
-    env = {"PATH": os.environ["PATH"], "HOME": str(root), **env}
+def start(root: Path, folder: str, *args: str, gpu: bool = True, **env: str) -> subprocess.CompletedProcess:
+    path = f"{root / 'fake-gpu'}:{os.environ['PATH']}" if gpu else os.environ["PATH"]
+    env = {"PATH": path, "HOME": str(root), **env}
     return subprocess.run(["bash", f"{folder}/start_qwen.sh", *args], cwd=root, env=env, capture_output=True,
                           text=True, timeout=120)
+
+
+def test_serving_without_a_gpu_stops_before_any_step(tmp_path):
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has an NVIDIA GPU")
+    root = fake_checkout(tmp_path)
+    r = start(root, "batch", gpu=False)
+    assert r.returncode == 2 and not (root / "steps.log").exists() and not (root / "vllm.log").exists()
+    assert "FAIL gpu: no NVIDIA GPU found" in r.stdout and "--dry-run and explain work without one" in r.stdout
 
 
 def test_first_start_runs_missing_steps_then_execs_vllm(tmp_path):

@@ -19,6 +19,7 @@ import pytest
 from bench import serving
 from qwen_serving import knobs, plan
 from qwen_serving.checkpoint import draft_vocab
+from tests.helpers.fake_http import send_json
 from tests.helpers.tiny_checkpoint import make_tiny
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,16 +53,8 @@ class FakeServer(http.server.ThreadingHTTPServer):
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def _json(self, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
             def do_GET(self):  # noqa: N802
-                self._json({"data": [{"id": "qwen3.8-27b"}]})
+                send_json(self, {"data": [{"id": "qwen3.8-27b"}]})
 
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -70,7 +63,7 @@ class FakeServer(http.server.ThreadingHTTPServer):
                 ids = reply_ids(body)
                 with_ids = lambda part: {"token_ids": part} if body.get("return_token_ids") else {}  # noqa: E731
                 if not body.get("stream"):
-                    self._json({"choices": [{"message": {"content": "x"}, **with_ids(ids)}], "prompt_token_ids": [1]})
+                    send_json(self, {"choices": [{"message": {"content": "x"}, **with_ids(ids)}], "prompt_token_ids": [1]})
                     return
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")

@@ -17,6 +17,7 @@ import pytest
 from qwen_serving.checkpoint import ct_config, draft_vocab
 from qwen_serving.checkpoint.model_dir import ModelDir
 from qwen_serving.checkpoint.steps import DRAFT_HEAD
+from tests.helpers.fake_http import send_json
 from tests.helpers.tiny_checkpoint import EPOCH, REPO, load_check, make_tiny, run, tree_state
 
 
@@ -61,12 +62,7 @@ class _FakeServer(BaseHTTPRequestHandler):
         text = body["messages"][-1]["content"] if "messages" in body else body["prompt"]
         n = int(text.split()[-1])
         reply = {"choices": [{"token_ids": [n % 3, 100 + n] + [7] * n}]}
-        data = json.dumps(reply).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, reply)
 
     def log_message(self, *args):
         pass

@@ -22,6 +22,7 @@ from bench import fullbench as fb
 from qwen_serving.checkpoint import scripted, synth
 from qwen_serving.checkpoint.scripted_reference import DEFAULT_SAMPLING, Reference, markov_acceptance, markov_inputs
 from qwen_serving.plan import Probe
+from tests.helpers.fake_http import send_json
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench" / "gpu"))
@@ -186,14 +187,6 @@ class FakeVllm(http.server.ThreadingHTTPServer):
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def _json(self, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
             def do_GET(self):  # noqa: N802
                 body = fake.page().encode()
                 self.send_response(200)
@@ -207,7 +200,7 @@ class FakeVllm(http.server.ThreadingHTTPServer):
                 answers = [fake.design.walk(p[-1], body["max_tokens"])[1:] for p in prompts]
                 fake.count(len(prompts), body["temperature"] == 0)
                 if not body.get("stream"):
-                    self._json({"choices": [fake.choice(i, a, body) for i, a in enumerate(answers)],
+                    send_json(self, {"choices": [fake.choice(i, a, body) for i, a in enumerate(answers)],
                                 "usage": {"completion_tokens": sum(map(len, answers))}})
                     return
                 self.send_response(200)

@@ -9,15 +9,10 @@
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 1
-export SITE="${SITE:-/tmp/site}" PATCHED_SITE="${PATCHED_SITE:-/tmp/patched}"
 TESTS="${QS_GPU_TESTS:-tests/gpu/test_smoke.py}"
-log() { printf '[visit %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
-log "1. patched copy of vllm in $PATCHED_SITE"
-QS_GPU_TESTS=none QS_GPU_RESULTS=/tmp/visit-prepare bash tests/gpu/run_on_device.sh > /tmp/visit-prepare.log 2>&1
-grep -q '^DONE rc=0 ' /tmp/visit-prepare.log || { log "preparing failed:"; tail -n 30 /tmp/visit-prepare.log; echo "VISIT DONE (failed)"; exit 1; }
-export PYTHONPATH="$SITE:$ROOT" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-  VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
+# shellcheck source=tests/gpu/visit_prepare.sh
+source tests/gpu/visit_prepare.sh  # log(), step 1 and the environment
 
 log "2. GPU tests: $TESTS (log /tmp/visit-tests.log)"
 QS_GPU_TESTS="$TESTS" QS_GPU_RESULTS=/tmp/visit-tests QS_GPU_WORK=/tmp/visit-tests-work QS_GPU_PYTEST_LIMIT_S=900 \

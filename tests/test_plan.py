@@ -15,6 +15,7 @@ import pytest
 
 from qwen_serving import knobs, plan, vllm_028
 from qwen_serving.plan import PlanError, Probe
+from tests.helpers.fake_gpu import fake_nvidia_smi
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -528,7 +529,8 @@ def test_start_server_refuses_before_the_install(tmp_path):
     r = subprocess.run(["bash", str(repo / "qwen_serving" / "start_server.sh"), "single"], capture_output=True,
                        text=True, env=env, timeout=60)
     assert r.returncode == 2 and "MODEL=/no/such/dir does not exist" in r.stderr and not marker.exists()
-    del env["MODEL"]  # the same checkout with a fine configuration does reach the install step
+    del env["MODEL"]  # the same checkout with a fine configuration, on a 3090, does reach the install step
+    env["PATH"] = os.pathsep.join([str(fake_nvidia_smi(tmp_path / "fake-gpu")), env["PATH"]])
     r = subprocess.run(["bash", str(repo / "qwen_serving" / "start_server.sh"), "single"], capture_output=True,
                        text=True, env=env, timeout=60)
     assert marker.exists() and "step 1/" in r.stdout and "bash install.sh" in r.stdout

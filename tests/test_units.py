@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.compose_bin import compose_binary
+from tests.helpers.fake_gpu import fake_nvidia_smi
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {"batch": "batch", "single": "single-user"}
@@ -45,11 +46,9 @@ def fake_checkout(tmp_path: Path) -> Path:
                                     'echo "$*" >> "$(dirname "$0")/../../steps.log"\n')
     (bin_dir / "vllm").write_text('#!/usr/bin/env bash\necho "$* | key=$VLLM_API_KEY | '
                                   'spec_attn=${VLLM_SPEC_DECODE_ATTN:-}" > "$(dirname "$0")/../../vllm.log"\n')
-    gpu_dir = root / "fake-gpu"  # on PATH in start(): the preflight sees a 3090 (start(..., gpu=False): none)
-    gpu_dir.mkdir()
-    (gpu_dir / "nvidia-smi").write_text('#!/usr/bin/env bash\necho "NVIDIA GeForce RTX 3090, 24576, 580.95.05"\n')
-    for f in (*bin_dir.iterdir(), gpu_dir / "nvidia-smi"):
+    for f in bin_dir.iterdir():
         f.chmod(0o755)
+    fake_nvidia_smi(root / "fake-gpu")  # on PATH in start(): the preflight sees a 3090 (start(..., gpu=False): none)
     return root
 
 

@@ -33,7 +33,7 @@ def test_unprepared_model_warns_per_step(model, capsys):
     assert all(line[:4] in ("PASS", "WARN") for line in lines)
     warned = [line for line in lines if line.startswith("WARN")]
     assert len(warned) == 4 and "quant_lm_head.py" in warned[0] and "quant_embed.py" in warned[1]
-    assert "quant_mtp.py" in warned[2] and "build_draft_vocab.py" in warned[3]
+    assert "quant_mtp.py" in warned[2] and "single-user/calibrate.sh" in warned[3]
     assert any("5 shard(s) complete" in line for line in lines) and "PASS model: tokenizer present" in lines
     assert status(capsys, model, "--strict")[0] == 1
 

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from qwen_serving.checkpoint import steps, transaction
+from qwen_serving.checkpoint import step_names, steps, transaction
 from qwen_serving.checkpoint.model_dir import CheckpointError, ModelDir, find_embed_tokens, tokenizer_present
 from qwen_serving.checkpoint.safetensors_io import file_sha256
 
@@ -94,11 +94,11 @@ def status(path: Path, *, deep: bool = False, strict: bool = False) -> int:
 
 def _check_draft_head(report: Report, model: ModelDir) -> None:
     tensors = model.module_tensors(steps.DRAFT_HEAD)
-    recorded = "draft_vocab" in model.manifest().get("steps", {})
+    recorded = step_names.DRAFT_VOCAB in model.manifest().get("steps", {})
     if not tensors:
         level = "FAIL" if recorded else "WARN"
-        report.line(level, f"draft head: absent; run: python prepare/build_draft_vocab.py {model.path} "
-                    "--ids prepare/draft_vocab_ids.json")
+        report.line(level, "draft head: absent (MTP drafts over the full lm_head); with the server running, "
+                    "bash single-user/calibrate.sh builds one from its own outputs")
         return
     ids_path = model.path / steps.DRAFT_IDS_FILE
     try:

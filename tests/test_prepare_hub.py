@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from qwen_serving.checkpoint import hub, steps
+from qwen_serving.checkpoint import hub, step_names, steps
 from qwen_serving.checkpoint.int4 import pack_int4, quantize_int4_groups
 from qwen_serving.checkpoint.model_dir import CheckpointError, ModelDir
 from qwen_serving.checkpoint.safetensors_io import array_tensor, to_f32, write_file
@@ -182,3 +183,29 @@ def test_fast_variant_refuses_a_foreign_target(fake, tiny, tmp_path, capsys):
     shutil.copytree(tiny, out)
     assert fetch_fast_variant.main(["--base", str(tiny), "--out", str(out), "--downloads", str(tmp_path / "dl")]) == 2
     assert "not a fast variant built by this script" in capsys.readouterr().err and fake.fetches == 0
+
+
+def test_fast_variant_over_a_base_with_a_draft_head_lets_the_head_be_built_again(fake, tiny, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """The variant replaces the lm_head the draft head's rows came from: the head goes, and so does its
+    step's record, so build_draft_vocab.py on the variant builds a head from the new lm_head."""
+    import fetch_fast_variant
+
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    base = tmp_path / "models" / "base"
+    shutil.copytree(tiny, base)
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(list(range(0, 4096, 16))))
+    build = [sys.executable, str(REPO / "prepare" / "build_draft_vocab.py")]
+    assert subprocess.run([*build, str(base), "--ids", str(ids)], capture_output=True).returncode == 0
+    assert step_names.DRAFT_VOCAB in ModelDir.open(base).manifest()["steps"]
+    _make_variant(base, tmp_path / "variant-src")
+    fake.source = tmp_path / "variant-src"
+    out = tmp_path / "models" / "base-fast"
+    assert fetch_fast_variant.main(["--base", str(base), "--out", str(out), "--downloads", str(tmp_path / "dl")]) == 0
+    fast = ModelDir.open(out)
+    assert not fast.module_tensors(steps.DRAFT_HEAD) and "draft_vocab" not in fast.config
+    assert step_names.DRAFT_VOCAB not in fast.manifest()["steps"]
+    capsys.readouterr()
+    assert subprocess.run([*build, str(out), "--ids", str(ids)], capture_output=True).returncode == 0
+    assert ModelDir.open(out).module_tensors(steps.DRAFT_HEAD)

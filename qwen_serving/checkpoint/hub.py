@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from qwen_serving.checkpoint import ct_config, steps, transaction
+from qwen_serving.checkpoint import ct_config, step_names, steps, transaction
 from qwen_serving.checkpoint.console import say
 from qwen_serving.checkpoint.model_dir import CheckpointError, ModelDir, read_json, tokenizer_present
 from qwen_serving.checkpoint.rewrite import Change, apply_change
@@ -184,12 +184,13 @@ def build_fast_variant(base: ModelDir, download_dir: Path, repo: str) -> Change:
     variant_qc = read_json(variant_config, "variant config.json").get("quantization_config") if variant_config.exists() else None
     remove = {t for m in modules for t in base.module_tensors(m)}
     config = copy.deepcopy(base.config)
-    extra_note = ""
+    extra_note, undoes = "", ()
     if "lm_head" in modules and base.module_tensors(steps.DRAFT_HEAD):
         # the draft head holds rows of the lm_head being replaced: drop it rather than keep stale rows
         remove |= set(base.module_tensors(steps.DRAFT_HEAD))
         config.pop("draft_vocab", None)
         extra_note = "; the draft head was built from the old lm_head: run build_draft_vocab.py on the new directory"
+        undoes = (step_names.DRAFT_VOCAB,)
     qc = config.get("quantization_config")
     by_args: dict[str, list[str]] = {}
     for module in modules:
@@ -208,7 +209,7 @@ def build_fast_variant(base: ModelDir, download_dir: Path, repo: str) -> Change:
     if qc is not None:
         config["quantization_config"] = qc
     add = [copied_tensor(tensors[name], name) for name in sorted(tensors)]
-    change = Change("fast_variant", "prepare/fetch_fast_variant.py", VERSION, remove, add, {}, config)
+    change = Change("fast_variant", "prepare/fetch_fast_variant.py", VERSION, remove, add, {}, config, undoes=undoes)
     change.summary.update({"repo": repo, "modules": modules})
     change.summary["note"] = extra_note.lstrip("; ") if extra_note else None
     return change

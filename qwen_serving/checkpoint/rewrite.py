@@ -58,6 +58,7 @@ class Change:
     extra_files: dict[str, bytes] = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
     check: object = None  # callable run after the tensors are written, before the commit
+    undoes: tuple[str, ...] = ()  # earlier steps whose output this change removes: their records go too
 
 
 def _timestamp() -> str:
@@ -155,7 +156,10 @@ def apply_change(model: ModelDir, change: Change, target: Path | None = None) ->
         }
         manifest = model.manifest()
         manifest["format"] = MANIFEST_FORMAT
-        manifest.setdefault("steps", {})[change.step] = record
+        steps = manifest.setdefault("steps", {})
+        for undone in change.undoes:  # else that step reads as done and never runs again
+            steps.pop(undone, None)
+        steps[change.step] = record
         _write_json(staging / MANIFEST_NAME, manifest)
     except BaseException:
         transaction.remove_tree(staging)

@@ -46,10 +46,7 @@ class Probe:
 
 def address(mode: str, env: Mapping[str, str]) -> str:
     settings = knobs.resolve(mode, env)
-    host = str(settings["HOST"].value)
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"  # bound everywhere: loopback reaches it
-    return f"http://{f'[{host}]' if ':' in host else host}:{settings['PORT'].value}"
+    return serving.local_url(str(settings["HOST"].value), settings["PORT"].value)
 
 
 def log_facts(path: Path) -> dict[str, str]:

@@ -233,6 +233,12 @@ def counter_total(page: str | Iterable[Sample], name: str) -> float:
 # Server processes
 
 
+def local_url(host: str, port: int) -> str:
+    """Where a client on this machine reaches a server bound to host:port (a wildcard bind answers on loopback)."""
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def free_port() -> int:
     """A TCP port nothing listens on at this moment (take it as late as possible: other servers take ports)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -27,16 +27,11 @@ sys.path.insert(0, str(REPO / "prepare"))
 
 import count_outputs  # noqa: E402
 
+from bench import serving  # noqa: E402
 from qwen_serving import knobs, plan  # noqa: E402
 from qwen_serving.checkpoint import draft_vocab  # noqa: E402
 
 COUNTS = "models/calibration-counts.json"
-
-
-def server_url(p: plan.ServePlan) -> str:
-    host = p.value("HOST")
-    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host  # a wildcard bind answers on loopback
-    return f"http://{f'[{host}]' if ':' in host else host}:{p.value('PORT')}/v1"
 
 
 def main(argv: list[str] | None = None, env: dict[str, str] | None = None, repo: Path = REPO) -> int:
@@ -65,7 +60,7 @@ def main(argv: list[str] | None = None, env: dict[str, str] | None = None, repo:
     model_dir = repo / p.served
     counts = args.counts or repo / COUNTS
     key = env.get(knobs.SECRET_ENV) or p.secret_env.get(knobs.SECRET_ENV)  # the key the server was started with
-    common = ["--url", server_url(p), "--holdout-every", "10", "--save-every", str(args.save_every),
+    common = ["--url", serving.local_url(p.value("HOST"), p.value("PORT")) + "/v1", "--holdout-every", "10", "--save-every", str(args.save_every),
               *(["--api-key", key] if key else [])]
     traffic = counts.with_name(counts.stem + "-traffic.json")  # the user's own, counted apart from the prompt set
     if args.proxy:

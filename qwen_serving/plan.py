@@ -26,13 +26,11 @@ from pathlib import Path
 
 from . import dotenv, knobs, memory, vllm_028
 from .checkpoint import step_names
+from .engine import env_vars
 from .knobs import API_KEY_FILE, BASE_MODEL, FAST_MODEL, HUGE_KV, KNOBS, KnobError, Setting, Sized, Values
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_PYTHON = "venv/bin/python"
-# VLLM_* names our patches read beside the knobs' own (for the misspelling check;
-# tests/test_knob_effects.py checks that a patch reads each).
-PATCH_ENV = ("VLLM_V2_CUDAGRAPH_MEM_MIB", "VLLM_SMALL_TOPK_SAMPLER")
 WSL2_PIN_MEMORY = "VLLM_WSL2_ENABLE_PIN_MEMORY"  # exported by the plan itself on WSL2 for SPEC=dflash2
 CALIBRATE = "bash single-user/calibrate.sh"  # builds the MTP draft head from the running server's outputs
 
@@ -154,7 +152,7 @@ def _api_key(env: Mapping[str, str], repo: Path) -> tuple[str, str]:
 def misspelt(env: Mapping[str, str], mode: str, probe: Probe) -> list[str]:
     """Warnings for set variables that are not ours or vLLM's but look like one of them."""
     ours = {k.name for k in KNOBS} | knobs.exported_vars()
-    known = ours | set(probe.vllm_env) | set(PATCH_ENV) | {"VLLM_API_KEY"}
+    known = ours | set(probe.vllm_env) | set(env_vars.BY_NAME) | {"VLLM_API_KEY"}  # BY_NAME: what patches read
     out = []
     for name in sorted(env):
         if name in known or not re.fullmatch(r"[A-Z][A-Z0-9_]*", name):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from qwen_serving import knobs, plan
+from qwen_serving.engine import env_vars
 
 REPO = Path(__file__).resolve().parents[1]
 BIT = knobs.BY_NAME["VISION"].parse  # a 0/1 parser, for the synthetic knobs
@@ -93,7 +94,7 @@ def test_every_exported_variable_is_read(render_with, readers):
     assert seen <= declared, f"exported but not declared on a knob: {sorted(seen - declared)}"
     assert seen == declared, f"declared but never exported: {sorted(declared - seen)}"
     assert not unread(declared, readers), "exported, and read by no patch, hook or vLLM"
-    assert not unread(plan.PATCH_ENV, readers), "plan.PATCH_ENV names a variable nothing reads"
+    assert not unread(env_vars.BY_NAME, readers), "engine/env_vars.py declares a variable nothing reads"
 
 
 def test_a_synthetic_unread_export_is_caught(readers):

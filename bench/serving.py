@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qwen_serving import plan
+
 REPO = Path(__file__).resolve().parents[1]
-API_KEY_FILE = "api_key.txt"  # the product's key file, in the repo root (README: VLLM_API_KEY)
 SSE_DONE = "[DONE]"  # the data of OpenAI's last streamed event
 
 # Every URL here is a vLLM server measured directly: never through a proxy from the environment (it would add
@@ -36,18 +37,9 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def api_key(explicit: str | None = None, repo: Path = REPO) -> str | None:
-    """The key a server of this repo was started with, found as the serve plan finds it: `explicit`, else
-    $VLLM_API_KEY, else the first line of api_key.txt; None when there is none."""
-    if explicit:
-        return explicit
-    if os.environ.get("VLLM_API_KEY"):
-        return os.environ["VLLM_API_KEY"]
-    try:
-        lines = (Path(repo) / API_KEY_FILE).read_text().splitlines()
-    except FileNotFoundError:
-        return None
-    first = lines[0].strip() if lines else ""
-    return first or None
+    """The key a server of this repo was started with: `explicit`, else the serve plan's own rule
+    (plan.api_key: $VLLM_API_KEY, else the first line of api_key.txt); None when there is none."""
+    return explicit or plan.api_key(os.environ, Path(repo))[0] or None
 
 
 # ---------------------------------------------------------------------------------------------

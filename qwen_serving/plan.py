@@ -138,7 +138,9 @@ class ServePlan:
         return shlex.join(self.argv)
 
 
-def _api_key(env: Mapping[str, str], repo: Path) -> tuple[str, str]:
+def api_key(env: Mapping[str, str], repo: Path) -> tuple[str, str]:
+    """The server's key and where it came from: VLLM_API_KEY, else the first non-blank line of api_key.txt;
+    ("", "") when there is none. The clients in bench/ find it the same way (bench.serving.api_key)."""
     if env.get("VLLM_API_KEY"):
         return env["VLLM_API_KEY"], "VLLM_API_KEY"
     path = repo / API_KEY_FILE
@@ -223,7 +225,7 @@ def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require
     draft_head, settings = _draft_head(v, served, probe, settings, notes, derived)
     v = Values.of(mode, settings)
     missing = _first_start_steps(v, model, probe, draft_head)
-    key, key_source = _api_key(env, probe.repo)
+    key, key_source = api_key(env, probe.repo)
     warnings += _check(v, probe, key, require_files, notes)
     sized, cache, weights = _size_pool(v, model, probe, notes, derived)
     argv, out_env = knobs.render(v, sized)

@@ -13,7 +13,6 @@ import re
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qwen_serving import plan
+from qwen_serving import files, plan
 
 REPO = Path(__file__).resolve().parents[1]
 SSE_DONE = "[DONE]"  # the data of OpenAI's last streamed event
@@ -157,17 +156,7 @@ class Client:
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write through a temp file in the same folder, so a crash never leaves half a file. A value JSON has no
     type for (a Path, a dtype) is written as its str(): a measurement is never lost to its own record."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, default=str)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    files.write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
-import os
 import re
 import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from . import files
 
 MODES = ("batch", "single")
 BASE_MODEL = "models/Qwen3.8-27B-W4A16-AutoRound"
@@ -717,9 +718,7 @@ def update_readme(path: Path, mode: str) -> bool:
     new = BLOCK.sub(lambda m: m.group(1) + markdown(mode) + m.group(3), text, count=1)
     if new == text:
         return False
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(new)
-    os.replace(tmp, path)
+    files.write_text_atomic(path, new)
     return True
 
 

@@ -10,11 +10,11 @@ Pure logic only (no HTTP): prepare/count_outputs.py asks the server, through ben
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+
+from qwen_serving import files
 
 COUNTS_FORMAT = "qwen-serving token counts v1"
 DEFAULT_K = 40_000
@@ -114,18 +114,7 @@ def read_id_list(path: str | Path) -> list[int]:
 
 
 def write_json_atomic(path: Path, data: dict | list) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    files.write_text_atomic(path, json.dumps(data) + "\n")
 
 
 def stop_ids(config: dict, generation_config: dict | None) -> list[int]:

@@ -90,13 +90,24 @@ def test_format_is_the_synthetic_one(tiny, tmp_path):
     # the body stays synth's: same non-branch int4 bytes, branches scaled, negative scales kept
     body = "model.language_model.layers.0.linear_attn.in_proj_qkv.weight_packed"
     assert torch.equal(ours[body], theirs[body])
-    for layer, branch in ((0, "linear_attn.out_proj"), (3, "self_attn.o_proj"), (1, "mlp.down_proj")):
+    for layer, branch in ((0, "linear_attn.in_proj_z"), (0, "linear_attn.out_proj"), (3, "self_attn.v_proj"),
+                          (3, "self_attn.o_proj"), (1, "mlp.up_proj"), (1, "mlp.down_proj")):
         name = f"model.language_model.layers.{layer}.{branch}.weight_scale"
         ratio = ours[name].float().abs().mean() / theirs[name].float().abs().mean()
-        assert float(ratio) == pytest.approx(scripted.BRANCH_SCALE["tiny"], rel=0.02), name
+        assert float(ratio) == pytest.approx(scripted.BRANCH_SCALE**0.5, rel=0.02), name
         assert 0.4 <= negative_scale_share(ours[name]) <= 0.6
     for name in scripted.MTP_ZERO:
         assert not ours[name].any()
+
+
+def test_branch_scales_stay_fp16_normal_at_full_size():
+    """The widest branch matrix of the real shape (MLP down_proj, 17,408 inputs) keeps every group
+    scale a normal fp16 number: a scale of 0.01 on one matrix would have put them below 6.1e-5."""
+    d = synth.REAL
+    down = synth.Int4Linear("model.language_model.layers.1.mlp.down_proj", d.hidden, d.intermediate)
+    values = scripted._branch_values(0, down, scripted.BRANCH_SCALE**0.5, torch.device("cpu"))
+    scales = values[f"{down.module}.weight_scale"].float().abs()
+    assert float(scales.min()) >= torch.finfo(torch.float16).tiny
 
 
 def test_cli_refuses_bad_dials(tmp_path, capsys):

@@ -10,9 +10,9 @@ The design (docs/scripted-model.md has the maths):
 - lm_head row j = sqrt(2/H) (sum_t L[t, j] u_t + b_j u_0): the logit of j after t is L[t, j] + b_j.
   Each active token has a chain successor (CHAIN_LOGIT) and three alternatives (ALT_LOGITS), the
   rest of the active vocabulary sits at BACKGROUND_LOGIT and inactive rows at INACTIVE_LOGIT.
-- the int4 body is synth's random body with the residual branches (GDN out_proj, attention o_proj,
-  MLP down_proj) scaled by BRANCH_SCALE: the recurrent state and the KV cache move the logits a
-  little, never the argmax.
+- the int4 body is synth's random body with each residual branch (GDN, attention, MLP) made
+  BRANCH_SCALE times smaller, two of its matrices scaled by sqrt(BRANCH_SCALE) each: the recurrent
+  state and the KV cache move the logits a little, never the argmax.
 - the MTP module maps the embedding of t to n_{pi(t)}: pi(t) = t for a share q of the active tokens
   (it proposes the chain successor), else a token whose chain successor the target rules out. Its
   hidden-state half of `fc` and its layer's o_proj / down_proj are zero, so drafts depend on the
@@ -43,9 +43,13 @@ CHAIN_LOGIT = 2.0
 ALT_LOGITS = (0.5, -0.5, -2.0)  # logits centred near 0: bf16 rounds them by <= 0.008
 BACKGROUND_LOGIT = -12.0
 INACTIVE_LOGIT = -30.0
-# residual-branch scale: relative logit wobble ~0.04 std on tiny (docs/scripted-model.md)
-BRANCH_SCALE = {"tiny": 0.01, "shape": 0.01, "full": 0.01}
-BRANCH_MODULES = ("linear_attn.out_proj", "self_attn.o_proj", "mlp.down_proj")
+# Each residual branch is made BRANCH_SCALE times smaller than synth's by scaling two of its
+# matrices by sqrt(BRANCH_SCALE) each: its output is linear in both (attention in v, the MLP in up,
+# the GDN's gated norm in silu(z) ~ z / 2 for small z). One matrix scaled by 0.01 would need fp16
+# group scales below fp16's smallest normal number (6.1e-5) at full size, which no real checkpoint has.
+BRANCH_SCALE = 0.01
+BRANCH_MODULES = ("linear_attn.in_proj_z", "linear_attn.out_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.up_proj", "mlp.down_proj")
 CORE_SHARE = 8  # one active token in 8 is "core": alternatives are drawn from the core
 DESIGN_FILE = "scripted.json"
 DRAFT_IDS_FILE = "scripted-draft-ids.json"
@@ -249,10 +253,10 @@ def _branch_values(seed: int, linear: synth.Int4Linear, scale: float, device: to
 Values = Callable[[synth.Entry, torch.device], dict]
 
 
-def values_for(design: Design, size: str, seed: int, random_values: Values) -> Values:
+def values_for(design: Design, seed: int, random_values: Values) -> Values:
     """synth.write_checkpoint's per-entry values: designed tensors, scaled branches, else `random_values`."""
     designed = _designed_tensors(design)
-    branch_scale = BRANCH_SCALE[size]
+    branch_scale = math.sqrt(BRANCH_SCALE)
 
     # entries are told apart by field, not class, and the random ones come from the caller:
     # `python -m ...synth` runs synth as __main__, whose Int4Linear is not this module's synth.Int4Linear

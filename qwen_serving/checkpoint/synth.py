@@ -494,7 +494,7 @@ def write_checkpoint(
     if scripted is not None:
         from qwen_serving.checkpoint import scripted as scripted_module
 
-        values = scripted_module.values_for(scripted, size, seed, values)
+        values = scripted_module.values_for(scripted, seed, values)
         meta = {"behaviour": "scripted", "mtp_agree": scripted.mtp_agree}
     try:
         write_config_files(tmp, size, num_layers)

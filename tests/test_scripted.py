@@ -181,6 +181,17 @@ def test_greedy_follows_the_chain_and_state_moves_the_logits(design, ref, quotin
     assert float((logits[first] - logits[again]).abs().max()) > 1e-3
 
 
+def test_batched_forward_equals_one_sequence_at_a_time(design, ref, quoting):
+    """hidden_batch (the GPU run's chi-square reference over many sampled contexts) is hidden per row."""
+    ids = quoting["ids"][:40]
+    other = design.walk(design.active[5], 39)
+    together = ref.hidden_batch([ids, other])
+    for row, seq in zip(together, (ids, other), strict=True):
+        assert torch.allclose(row, ref.hidden(seq), atol=1e-5)
+    with pytest.raises(ValueError, match="one length"):
+        ref.hidden_batch([ids, other[:-1]])
+
+
 def test_sampling_sets_have_margin(design, ref, quoting):
     logits = ref.logits(quoting["ids"])
     for sampling in (DEFAULT_SAMPLING, CHI_SAMPLING):

@@ -183,54 +183,57 @@ class Reference:
         up = x @ self.w.linear(f"{prefix}.mlp.up_proj").T
         return (F.silu(gate) * up) @ self.w.linear(f"{prefix}.mlp.down_proj").T
 
+    # the blocks take [B, T, H]: B sequences of one length, run together (each matrix is dequantized once)
+
     def _attention(self, x: torch.Tensor, positions: torch.Tensor, prefix: str) -> torch.Tensor:
         t = self.t
         heads, kv_heads, hd = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
         p = f"{prefix}.self_attn"
-        n = x.shape[0]
-        q_gate = (x @ self.w.linear(f"{p}.q_proj").T).view(n, heads, 2 * hd)
+        b, n = x.shape[:2]
+        q_gate = (x @ self.w.linear(f"{p}.q_proj").T).view(b, n, heads, 2 * hd)
         q, gate = q_gate[..., :hd], q_gate[..., hd:]
-        k = (x @ self.w.linear(f"{p}.k_proj").T).view(n, kv_heads, hd)
-        v = (x @ self.w.linear(f"{p}.v_proj").T).view(n, kv_heads, hd)
+        k = (x @ self.w.linear(f"{p}.k_proj").T).view(b, n, kv_heads, hd)
+        v = (x @ self.w.linear(f"{p}.v_proj").T).view(b, n, kv_heads, hd)
         q = _rope(self._norm(q, f"{p}.q_norm.weight"), positions, self.rotary_dim, self.theta)
         k = _rope(self._norm(k, f"{p}.k_norm.weight"), positions, self.rotary_dim, self.theta)
         group = heads // kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * hd**-0.5
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * hd**-0.5
         causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-        out = torch.einsum("hqk,khd->qhd", probs, v) * torch.sigmoid(gate)
-        return out.reshape(n, heads * hd) @ self.w.linear(f"{p}.o_proj").T
+        out = torch.einsum("bhqk,bkhd->bqhd", probs, v) * torch.sigmoid(gate)
+        return out.reshape(b, n, heads * hd) @ self.w.linear(f"{p}.o_proj").T
 
     def _gated_deltanet(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         t = self.t
         hk, hv, dk, dv = (t["linear_num_key_heads"], t["linear_num_value_heads"],
                           t["linear_key_head_dim"], t["linear_value_head_dim"])
         p = f"{prefix}.linear_attn"
-        n = x.shape[0]
+        bs, n = x.shape[:2]
         qkv = x @ self.w.linear(f"{p}.in_proj_qkv").T
-        z = (x @ self.w.linear(f"{p}.in_proj_z").T).view(n, hv, dv)
+        z = (x @ self.w.linear(f"{p}.in_proj_z").T).view(bs, n, hv, dv)
         b = x @ self.w.linear(f"{p}.in_proj_b").T
         a = x @ self.w.linear(f"{p}.in_proj_a").T
         conv = self.w.dense(f"{p}.conv1d.weight")  # [channels, 1, kernel], causal depthwise, then SiLU
         kernel = conv.shape[-1]
-        qkv = F.silu(F.conv1d(F.pad(qkv.T[None], (kernel - 1, 0)), conv, groups=conv.shape[0])[0].T)
+        qkv = F.silu(F.conv1d(F.pad(qkv.transpose(1, 2), (kernel - 1, 0)), conv, groups=conv.shape[0]).transpose(1, 2))
         q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
-        q = _l2norm(q.reshape(n, hk, dk)).repeat_interleave(hv // hk, dim=1) * dk**-0.5
-        k = _l2norm(k.reshape(n, hk, dk)).repeat_interleave(hv // hk, dim=1)
-        v = v.reshape(n, hv, dv)
+        q = _l2norm(q.reshape(bs, n, hk, dk)).repeat_interleave(hv // hk, dim=2) * dk**-0.5
+        k = _l2norm(k.reshape(bs, n, hk, dk)).repeat_interleave(hv // hk, dim=2)
+        v = v.reshape(bs, n, hv, dv)
         beta = torch.sigmoid(b)
         decay = torch.exp(-torch.exp(self.w.dense(f"{p}.A_log")) * F.softplus(a + self.w.dense(f"{p}.dt_bias")))
-        state = torch.zeros(hv, dk, dv, device=x.device)
+        state = torch.zeros(bs * hv, dk, dv, device=x.device)
         outs = []
-        for i in range(n):  # S <- decay S; S += k (beta (v - S^T k))^T; o = S^T q
-            state = state * decay[i][:, None, None]
-            delta = (v[i] - torch.bmm(k[i][:, None, :], state)[:, 0]) * beta[i][:, None]
-            state = torch.baddbmm(state, k[i][:, :, None], delta[:, None, :])
-            outs.append(torch.bmm(q[i][:, None, :], state)[:, 0])
-        core = torch.stack(outs)
+        for i in range(n):  # S <- decay S; S += k (beta (v - S^T k))^T; o = S^T q; (sequence, head) pairs as one batch
+            ki, qi = k[:, i].reshape(-1, dk), q[:, i].reshape(-1, dk)
+            state = state * decay[:, i].reshape(-1)[:, None, None]
+            delta = (v[:, i].reshape(-1, dv) - torch.bmm(ki[:, None, :], state)[:, 0]) * beta[:, i].reshape(-1)[:, None]
+            state = torch.baddbmm(state, ki[:, :, None], delta[:, None, :])
+            outs.append(torch.bmm(qi[:, None, :], state)[:, 0].view(bs, hv, dv))
+        core = torch.stack(outs, dim=1)
         core = _rms(core, self.eps) * self.w.dense(f"{p}.norm.weight") * F.silu(z)  # RMSNormGated: scale w
-        return core.reshape(n, hv * dv) @ self.w.linear(f"{p}.out_proj").T
+        return core.reshape(bs, n, hv * dv) @ self.w.linear(f"{p}.out_proj").T
 
     def _decoder(self, x: torch.Tensor, positions: torch.Tensor, prefix: str, kind: str) -> torch.Tensor:
         h = self._norm(x, f"{prefix}.input_layernorm.weight")
@@ -246,8 +249,14 @@ class Reference:
 
     def hidden(self, ids: list[int]) -> torch.Tensor:
         """[T, H] final-normed hidden states (what the lm_head and the MTP module read)."""
-        x = self.embed(ids)
-        positions = torch.arange(len(ids), device=x.device)
+        return self.hidden_batch([ids])[0]
+
+    def hidden_batch(self, batch: list[list[int]]) -> torch.Tensor:
+        """[B, T, H]: `hidden` of B sequences of one length T in one forward."""
+        if len({len(ids) for ids in batch}) != 1:
+            raise ValueError("hidden_batch needs sequences of one length")
+        x = self.embed(torch.tensor(batch))
+        positions = torch.arange(len(batch[0]), device=x.device)
         for i, kind in enumerate(self.layer_types):
             x = self._decoder(x, positions, f"{LM}layers.{i}", kind)
         return self._norm(x, f"{LM}norm.weight")
@@ -263,7 +272,7 @@ class Reference:
         e = self._norm(self.embed(tokens), "mtp.pre_fc_norm_embedding.weight")
         h = self._norm(hiddens, "mtp.pre_fc_norm_hidden.weight")
         x = torch.cat([e, h], dim=-1) @ self.w.linear("mtp.fc").T
-        x = self._decoder(x, positions, "mtp.layers.0", "full_attention")
+        x = self._decoder(x[None], positions, "mtp.layers.0", "full_attention")[0]
         return self._norm(x, "mtp.norm.weight")
 
     def draft_logits(self, mtp_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

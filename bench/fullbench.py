@@ -116,22 +116,43 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
 
 
 # The scripted checkpoint's servers (bench/gpu/scripted_mtp.py: speculation on accepted drafts, issue #16). A
-# short context keeps the pools small, so all three boot beside each other; each pool seats the 8 requests of the
-# greedy batch (memory.CacheShape.residents at 260 + 512 tokens: 10, 9 and 9). Raw logits in the logprobs: the
-# near-tie rule (tests/gpu/smoke_lib.py) reads logit gaps on the bf16 scale. The patched server is the single-user
-# plan as it stands (probabilistic drafts, fp16 state, its prefill chunk), less the tool parser (its ijson
-# dependency is staged separately, and no request here calls a tool) and the draft vocabulary (this checkpoint has
-# no draft head).
+# short context keeps the pools small, so a wave boots side by side. The first wave: stock without and with MTP
+# k=4, the single-user plan without and with it; 16 seats each, for the chi-square batches (pools: each seats the
+# 8 requests of the greedy batch at once, memory.CacheShape.residents at 260 + 512 tokens). Then the k sweep,
+# one wave per stack (SCRIPTED_SWEEP). Raw logits in the logprobs: the near-tie rule (tests/gpu/smoke_lib.py)
+# reads logit gaps on the bf16 scale. The patched servers are the single-user plan as it stands (probabilistic
+# drafts, fp16 state, its prefill chunk), less the tool parser (its ijson dependency is staged separately, and
+# no request here calls a tool) and the draft vocabulary (this checkpoint has no draft head).
 SCRIPTED_MAX_LEN = 4096
 RAW_LOGITS = ("--logprobs-mode", "raw_logits")
+SCRIPTED_SWEEP_K = (1, 2, 3, 5, 7)
+PATCHED_SINGLE = {"TOOLS": "0"}
+
+
+def _scripted(name: str, patched: bool, knobs: Mapping[str, str], what: str) -> BenchConfig:
+    return BenchConfig(name, patched, knobs, vllm_defaults=VLLM_CHUNK if not patched else (), runs=(),
+                       max_len=SCRIPTED_MAX_LEN, extra_args=RAW_LOGITS, what=what)
+
+
+def _patched_mtp(k: int) -> dict[str, str]:
+    return {**PATCHED_SINGLE, "DRAFT_TOKENS": str(k), "MTP_DRAFT_VOCAB": "0"}
+
+
 SCRIPTED_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
-    BenchConfig("scripted-stock", False, {**STOCK, **_pool(4, 8)}, runs=(), max_len=SCRIPTED_MAX_LEN,
-                extra_args=RAW_LOGITS, what="stock vLLM 0.28.0, no speculation: the greedy baseline"),
-    BenchConfig("scripted-stock-mtp4", False, {**STOCK, **_pool(10, 8), **_mtp(4)}, runs=(),
-                max_len=SCRIPTED_MAX_LEN, extra_args=RAW_LOGITS, what="stock, MTP k=4, greedy drafts"),
-    BenchConfig("scripted-patched-mtp4", True, {"TOOLS": "0", "MTP_DRAFT_VOCAB": "0", **_pool(6, 8)},
-                vllm_defaults=(), runs=(), max_len=SCRIPTED_MAX_LEN, extra_args=RAW_LOGITS,
-                what="the patch series as the single-user plan runs it: MTP k=4, probabilistic drafts"),
+    _scripted("scripted-stock", False, {**STOCK, **_pool(8, 16)}, "stock vLLM 0.28.0, no speculation: the greedy baseline"),
+    _scripted("scripted-stock-mtp4", False, {**STOCK, **_pool(12, 16), **_mtp(4)}, "stock, MTP k=4, greedy drafts"),
+    _scripted("scripted-patched-plain", True, {**PATCHED_SINGLE, "SPEC": "off", **_pool(6, 16)},
+              "the single-user plan without speculation: the plain decode step its verify step is set against"),
+    _scripted("scripted-patched-mtp4", True, {**_patched_mtp(4), **_pool(8, 16)},
+              "the patch series as the single-user plan runs it: MTP k=4, probabilistic drafts"),
+)}
+# the smallest pool (GB) that seats the greedy batch at each k: a wave of five fits the H200 beside the weights
+SWEEP_POOL_GB = {"patched": {1: 3, 2: 4, 3: 4, 5: 6, 7: 8}, "stock": {1: 5, 2: 6, 3: 8, 5: 11, 7: 14}}
+SCRIPTED_SWEEP: dict[str, BenchConfig] = {c.name: c for c in (
+    *(_scripted(f"scripted-patched-mtp{k}", True, {**_patched_mtp(k), **_pool(SWEEP_POOL_GB["patched"][k], 8)},
+                f"the single-user plan, MTP k={k}") for k in SCRIPTED_SWEEP_K),
+    *(_scripted(f"scripted-stock-mtp{k}", False, {**STOCK, **_pool(SWEEP_POOL_GB["stock"][k], 8), **_mtp(k)},
+                f"stock, MTP k={k}") for k in SCRIPTED_SWEEP_K),
 )}
 
 

@@ -1,8 +1,10 @@
-"""bench/gpu/scripted_mtp.py without a GPU: its three servers through vLLM 0.28.0's own `vllm serve` parser, the
-acceptance maths (probabilistic drafts against a simulation of vLLM's rule, greedy drafts against the reference's
-markov_acceptance, the exact greedy walk by hand), the prediction on the tiny scripted checkpoint, and the
-measurements end to end against fake vLLM servers on loopback, whose /metrics pages are the recorded one with the
-counters they keep; a deliberately wrong acceptance fails its check."""
+"""bench/gpu/scripted_mtp.py without a GPU: its servers (first wave and sweep) through vLLM 0.28.0's own `vllm
+serve` parser, the acceptance maths (probabilistic drafts against a simulation of vLLM's rule, greedy drafts against
+the reference's markov_acceptance, the exact greedy walk by hand), the prediction on the tiny scripted checkpoint
+(with its reference check and chi-square rows), and the measurements end to end against fake vLLM servers on
+loopback (completions with n samples drawn by vLLM's rule on the reference rows, a prefix cache, a profiler that
+writes a trace), whose /metrics pages are the recorded one with the counters they keep; a deliberately wrong
+acceptance fails its check, and so does a fake that samples from the wrong distribution."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from bench import fullbench as fb
+from bench import scripted_chisq as sc
 from qwen_serving.checkpoint import scripted, synth
 from qwen_serving.checkpoint.scripted_reference import DEFAULT_SAMPLING, Reference, markov_acceptance, markov_inputs
 from qwen_serving.plan import Probe
@@ -38,7 +41,7 @@ def _command(cfg: fb.BenchConfig, port: int = 18060, ckpt: Path = CKPT) -> fb.Se
 
 def test_scripted_servers_are_plans_that_vllm_serve_parses(vllm_cli):
     methods = {}
-    for name, cfg in fb.SCRIPTED_CONFIGS.items():
+    for name, cfg in {**fb.SCRIPTED_CONFIGS, **fb.SCRIPTED_SWEEP}.items():
         assert name not in fb.CONFIGS  # run_full.py's configs (and their recorded commands) stay as they were
         served = fb.serve_plan(cfg, ckpt=CKPT, port=18060, traces=TRACES, probe=Probe.detect(REPO))
         assert not served.warnings, served.warnings
@@ -46,7 +49,7 @@ def test_scripted_servers_are_plans_that_vllm_serve_parses(vllm_cli):
         ns, ea = vllm_cli.serve(cmd.argv)
         assert ns.model_tag == str(CKPT) and ea.max_model_len == fb.SCRIPTED_MAX_LEN == 4096
         assert ea.logprobs_mode == "raw_logits" and ea.gpu_memory_utilization == fb.SHARED_UTIL
-        assert ea.kv_cache_memory_bytes == served.kv_mem and ea.max_num_seqs == sm.GREEDY_PROMPTS
+        assert ea.kv_cache_memory_bytes == served.kv_mem and ea.max_num_seqs >= sm.GREEDY_PROMPTS
         assert cmd.env["VLLM_DISABLED_KERNELS"] == "MacheteLinearKernel"  # Marlin, as on the RTX 3090
         # each pool seats the greedy batch (prompts of ~250 tokens, 512-token answers) at once
         shape = dataclasses.replace(served.cache, kv_group_fix=cfg.patched)
@@ -55,8 +58,10 @@ def test_scripted_servers_are_plans_that_vllm_serve_parses(vllm_cli):
         spec = ea.speculative_config
         methods[name] = None if spec is None else (spec["num_speculative_tokens"], spec["draft_sample_method"])
         assert sm.draft_sample(cmd) == (None if spec is None else spec["draft_sample_method"])
-    assert methods == {"scripted-stock": None, "scripted-stock-mtp4": (4, "greedy"),
-                       "scripted-patched-mtp4": (4, "probabilistic")}
+    assert methods == {"scripted-stock": None, "scripted-stock-mtp4": (4, "greedy"), "scripted-patched-plain": None,
+                       "scripted-patched-mtp4": (4, "probabilistic"),
+                       **{f"scripted-patched-mtp{k}": (k, "probabilistic") for k in fb.SCRIPTED_SWEEP_K},
+                       **{f"scripted-stock-mtp{k}": (k, "greedy") for k in fb.SCRIPTED_SWEEP_K}}
     patched = _command(fb.SCRIPTED_CONFIGS["scripted-patched-mtp4"])
     assert patched.env["VLLM_MTP_DRAFT_VOCAB"] == "0" and patched.env["VLLM_SPEC_DECODE_ATTN"] == "1"
     ns, ea = vllm_cli.serve(patched.argv)
@@ -64,7 +69,7 @@ def test_scripted_servers_are_plans_that_vllm_serve_parses(vllm_cli):
     assert not ns.enable_auto_tool_choice and ns.tool_call_parser is None  # TOOLS=0: no ijson needed on the device
 
 
-def test_dry_run_prints_the_three_servers(tmp_path):
+def test_dry_run_prints_every_wave(tmp_path):
     import subprocess
 
     res = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "scripted_mtp.py"), str(tmp_path / "o"),
@@ -72,7 +77,12 @@ def test_dry_run_prints_the_three_servers(tmp_path):
                          timeout=120)
     assert res.returncode == 0, res.stderr
     commands = [line for line in res.stdout.splitlines() if line.startswith("PYTHONPATH=")]
-    assert [c.split()[0] for c in commands] == ["PYTHONPATH=/s", "PYTHONPATH=/s", "PYTHONPATH=/p:/s"]
+    patched = ["PYTHONPATH=/p:/s"] * len(fb.SCRIPTED_SWEEP_K)
+    stock = ["PYTHONPATH=/s"] * len(fb.SCRIPTED_SWEEP_K)
+    assert [c.split()[0] for c in commands] == ["PYTHONPATH=/s", "PYTHONPATH=/s", "PYTHONPATH=/p:/s",
+                                               "PYTHONPATH=/p:/s", *patched, *stock]
+    ports = [int(re.search(r"--port (\d+)", c).group(1)) for c in commands]
+    assert ports == list(range(18060, 18060 + len(commands)))  # never reused across waves
     assert not (tmp_path / "o").exists()
 
 
@@ -166,6 +176,13 @@ def test_prediction_from_the_tiny_checkpoint(tiny, prediction):
     assert {int(t): v for t, v in prediction["greedy_successor"].items()} == dict(zip(design.active, design.chain,
                                                                                       strict=True))
     assert all(prediction["mtp_proposal"][str(t)] == design.mtp_proposal(t) for t in design.active)
+    # the reference follows the chain along the first greedy prompt, and the branches move its logits
+    check = prediction["reference_check"]
+    assert check["argmax_is_chain"] == check["positions"] == sm.REFERENCE_CHECK_TOKENS
+    assert check["first_off_chain"] is None and check["wobble_std"] > 0.01 and check["min_top_gap"] > 0.8
+    chisq = prediction["chisq"]
+    assert chisq["prompt"] == sm.chisq_prompt(design) and chisq["nucleus_margin"] > 0.01
+    assert len(chisq["rows"]) == sum(3**d for d in range(sc.DEPTH))
 
 
 # ---------------------------------------------------------------- end to end against fake servers
@@ -179,11 +196,14 @@ class FakeVllm(http.server.ThreadingHTTPServer):
     DRAFTS_PER_ANSWER = 1000
 
     def __init__(self, design: scripted.Design, greedy_rates: list[float] | None, rates: list[float] | None,
-                 logit_noise: float = 0.0):
+                 logit_noise: float = 0.0, *, rows: sc.Rows, trace_dir: Path, broken_sampler: bool = False):
         self.design, self.greedy_rates, self.rates, self.noise = design, greedy_rates, rates, logit_noise
         self.spec = greedy_rates is not None
+        self.rows, self.trace_dir, self.broken = rows, trace_dir, broken_sampler
         self.lock = threading.Lock()
-        self.counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * sm.K, "tpot": [0.0, 0]}
+        self.counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * sm.K, "tpot": [0.0, 0],
+                       "hits": 0, "requests": 0}
+        self.cached: set[tuple[int, ...]] = set()
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -196,7 +216,16 @@ class FakeVllm(http.server.ThreadingHTTPServer):
 
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path in ("/reset_prefix_cache", "/start_profile", "/stop_profile"):
+                    fake.control(self.path)
+                    send_json(self, {})
+                    return
+                if body.get("n", 1) > 1:  # the chi-square batches: samples by vLLM's rule (or a broken one)
+                    send_json(self, {"choices": [{"index": i, "text": "x", "token_ids": t}
+                                                 for i, t in enumerate(fake.samples(body["n"]))]})
+                    return
                 prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
+                fake.cache(prompts)
                 answers = [fake.design.walk(p[-1], body["max_tokens"])[1:] for p in prompts]
                 fake.count(len(prompts), body["temperature"] == 0)
                 if not body.get("stream"):
@@ -219,6 +248,28 @@ class FakeVllm(http.server.ThreadingHTTPServer):
                 pass
 
         super().__init__(("127.0.0.1", 0), Handler)
+
+    def control(self, path: str) -> None:
+        if path == "/reset_prefix_cache":
+            self.cached.clear()
+        elif path == "/stop_profile":  # the worker's trace, as vLLM's torch profiler leaves one
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
+            trace = {"traceEvents": [{"ph": "X", "cat": "kernel", "name": "marlin", "ts": 1.0, "dur": 2.0}]}
+            (self.trace_dir / "worker.pt.trace.json").write_text(json.dumps(trace))
+
+    def cache(self, prompts: list[list[int]]) -> None:
+        with self.lock:
+            for p in prompts:
+                if tuple(p) in self.cached:
+                    self.counts["hits"] += len(p)
+                self.cached.add(tuple(p))
+
+    def samples(self, n: int) -> list[list[int]]:
+        with self.lock:
+            self.counts["requests"] += 1
+            seed = self.counts["requests"]
+        return sc.simulate(self.rows, self.design.mtp_proposal, sm.K if self.spec else 0, n, seed,
+                           broken=self.broken)
 
     def count(self, answers: int, greedy: bool) -> None:
         with self.lock:
@@ -257,7 +308,8 @@ class FakeVllm(http.server.ThreadingHTTPServer):
                       "vllm:spec_decode_num_draft_tokens_total": c["draft_tokens"],
                       "vllm:spec_decode_num_accepted_tokens_total": c["accepted"],
                       "vllm:request_time_per_output_token_seconds_sum": c["tpot"][0],
-                      "vllm:request_time_per_output_token_seconds_count": c["tpot"][1]}
+                      "vllm:request_time_per_output_token_seconds_count": c["tpot"][1],
+                      "vllm:prefix_cache_hits_total": c["hits"]}
             lines = []
             for line in RECORDED.splitlines():
                 if "vllm:spec_decode" in line and not self.spec:
@@ -273,7 +325,7 @@ class FakeVllm(http.server.ThreadingHTTPServer):
 
 
 @pytest.fixture
-def fakes(tiny, prediction):
+def fakes(tiny, prediction, tmp_path):
     design = scripted.Design.read(tiny)
     prompts = sm.prompts_for(design, "greedy", sm.GREEDY_PROMPTS)
     successor = {int(t): v for t, v in prediction["greedy_successor"].items()}
@@ -282,10 +334,14 @@ def fakes(tiny, prediction):
                                      sm.MAX_TOKENS)["acceptance_per_position"]
     wrong = list(prediction["acceptance_per_position"]["default_probabilistic_drafts"])
     wrong[2] += 0.05  # the patched server's fake accepts 5 points too many at the third position
-    servers = {"scripted-stock": FakeVllm(design, None, None),
+    rows = sc.rows_from_json(prediction["chisq"]["rows"])
+    traces = tmp_path / "out"
+    servers = {"scripted-stock": FakeVllm(design, None, None, rows=rows, trace_dir=traces / "traces-scripted-stock"),
                "scripted-stock-mtp4": FakeVllm(design, walk, prediction["acceptance_per_position"][
-                   "default_greedy_drafts"], logit_noise=0.01),
-               "scripted-patched-mtp4": FakeVllm(design, walk, wrong)}
+                   "default_greedy_drafts"], logit_noise=0.01, rows=rows,
+                   trace_dir=traces / "traces-scripted-stock-mtp4"),
+               "scripted-patched-mtp4": FakeVllm(design, walk, wrong, rows=rows, broken_sampler=True,
+                                                 trace_dir=traces / "traces-scripted-patched-mtp4")}
     for server in servers.values():
         threading.Thread(target=server.serve_forever, daemon=True).start()
     yield servers
@@ -304,16 +360,17 @@ def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, 
                               budget_s=sm.DEFAULT_BUDGET_S)
     rec = sm.start_record(tmp_path / sm.REPORT, args, {"PYTHONPATH": str(REPO)})
     rec.data["prediction"] = prediction
-    greedy = sm.prompts_for(design, "greedy", sm.GREEDY_PROMPTS)
-    sampled = [p["ids"] for p in sm.prompts_for(design, "sampled", 4)]
-    c1 = [p["ids"] for p in sm.prompts_for(design, "c1", 2)]
+    prompts = sm.make_prompts(design)
+    prompts = dataclasses.replace(prompts, sampled=prompts.sampled[:4], c1=prompts.c1[:2])
+    greedy = prompts.greedy
+    out = tmp_path / "out"
     for name, fake in fakes.items():
         cfg = fb.SCRIPTED_CONFIGS[name]
         port = fake.server_address[1]
         server = run_full.Server(cfg, _command(cfg, port, tiny), port, "", tmp_path / f"{name}.log")
-        sm.measure_one(server, rec, greedy, sampled, c1, sm.default_sampling(tiny), lambda limit: limit)
+        sm.measure_one(server, rec, prompts, sm.default_sampling(tiny), lambda limit: limit, out)
     assert not rec.data["errors"], rec.data["errors"]
-    assert sm.finish(rec, design, greedy) is False  # the wrong acceptance
+    assert sm.finish(rec, design, greedy) is False  # the wrong acceptance and the broken sampler
     data = json.loads((tmp_path / sm.REPORT).read_text())
     for key in ("schema", "date", "gpu", "versions", "patches", "checkpoint", "k", "prediction", "measurements",
                 "checks", "passed", "phases_s", "skipped", "errors", "not_measured_here"):
@@ -331,11 +388,23 @@ def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, 
     assert mtp["c1"]["ms_per_step"] == pytest.approx(10.0 * mtp["c1"]["spec"]["tokens_per_step"])
     checks = data["checks"]
     failed = sorted(name for name, check in checks.items() if not check["passed"])
-    assert failed == ["scripted-patched-mtp4: default-sampling acceptance per position = prediction "
+    assert failed == [f"scripted-patched-mtp4: chi-square of {sc.DEPTH}-token samples against the reference",
+                      "scripted-patched-mtp4: default-sampling acceptance per position = prediction "
                       "(default_probabilistic_drafts)"]
-    wrong = checks[failed[0]]
+    wrong = checks[failed[1]]
     assert wrong["difference"][2] == pytest.approx(0.05, abs=1e-3) and wrong["within"] == sm.ACCEPTANCE_WITHIN
-    assert len(checks) == 3 + 2 * 3 + 2  # chain x3; identity, logits, greedy walk x2; sampled x2
+    # reference; chain x3; identity, logits, greedy walk x2; sampled x2; chi-square x3 and its power; prefix x2
+    assert len(checks) == 1 + 3 + 2 * 3 + 2 + 3 + 1 + 2
+    for name in ("scripted-stock", "scripted-stock-mtp4"):
+        chisq = checks[f"{name}: chi-square of {sc.DEPTH}-token samples against the reference"]
+        assert chisq["passed"] and chisq["tokens"] >= sm.CHISQ_TOKENS, chisq
+        assert (tmp_path / f"{name}-chisq-samples.json").exists()
+    assert checks["chi-square has the power to see a broken rejection rule (simulated on the same rows)"]["passed"]
+    prefix = checks["scripted-stock: a cache hit gives the same tokens and raw logits"]
+    assert prefix["hit_tokens"] == [0, len(prompts.prefix)] and prefix["same_tokens"]
+    for name in fakes:
+        profile = meas[name]["profile"]
+        assert (out / "profiles" / profile["trace"]).stat().st_size == profile["trace_bytes"] > 0
     identical = checks["scripted-stock-mtp4: greedy token-identical to no speculation"]
     assert identical["token_identical_prompts"] == sm.GREEDY_PROMPTS
     logits = checks["scripted-stock-mtp4: top-20 raw logits agree with no speculation"]

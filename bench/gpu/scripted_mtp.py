@@ -1,13 +1,21 @@
-"""Speculative decoding on accepted drafts, measured on the scripted `full` checkpoint (issue #16 items 5 and 6,
-one GPU run; bench/gpu/README.md). Stock vLLM 0.28.0 without speculation, stock with MTP k=4 and the patched
-single-user plan with MTP k=4 (bench.fullbench.SCRIPTED_CONFIGS) boot together, then are measured one after the
-other against what the checkpoint's weights predict:
+"""Speculative decoding on accepted drafts, measured on the scripted `full` checkpoint (issues #16 items 5 and 6,
+#17; one GPU run; bench/gpu/README.md). The first wave (bench.fullbench.SCRIPTED_CONFIGS: stock vLLM 0.28.0
+without speculation and with MTP k=4, the single-user plan without and with it) boots together while the
+reference checks the written weights at full size; then the servers are measured one after the other against
+what the weights predict, then the k sweep (SCRIPTED_SWEEP) boots, one wave per stack, as far as the budget goes:
 
+- reference: the float32 forward of the full checkpoint follows the designed chain along a prompt (the wobble and
+  the smallest top-1/top-2 gap recorded), before any server's answer is judged by it;
 - greedy: 8 prompts x 512 tokens, token-identical to no speculation (or measured near-ties), equal to the designed
   chain, top-20 raw logits within bf16 noise, and vLLM's per-position acceptance equal to the exact greedy walk;
 - default sampling (the checkpoint's generation_config): per-position acceptance from vLLM's /metrics against
   the Markov prediction (greedy drafts for stock, vLLM's probabilistic drafts for the patched plan), within 3 points;
-- C1: decode tok/s, tokens per step and ms per step, from streamed answers and the server's own counters.
+- chi-square (bench.scripted_chisq): >= 1e5 tokens at temperature 1, top-k 20, top-p 0.95 after one prompt, against
+  the reference's exact distribution at every context, MTP on and off; a broken rejection rule simulated on the
+  same rows must fail the same test;
+- prefix caching: a 3,000-token prompt answered cold and from the cache, the same tokens and raw logits;
+- C1: decode tok/s, tokens per step and ms per step, from streamed answers and the server's own counters; and a
+  profiled C1 window (torch profiler trace, gzipped under OUT/profiles/) for the step breakdown of issue #17.
 
     python bench/gpu/scripted_mtp.py OUT --site SITE --patched-site PATCHED --ckpt DIR [--agree Q]
     python bench/gpu/scripted_mtp.py --predict FILE --ckpt DIR [--device cuda]   # the prediction alone (torch)
@@ -27,6 +35,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -38,6 +47,7 @@ import smoke_lib  # noqa: E402
 
 from bench import fullbench as fb  # noqa: E402
 from bench import report as br  # noqa: E402
+from bench import scripted_chisq as sc  # noqa: E402
 from bench import serving  # noqa: E402
 from qwen_serving import plan  # noqa: E402
 
@@ -54,14 +64,24 @@ ACCEPTANCE_WITHIN = 0.03  # the issue's bar: per position, measured vs predicted
 GREEDY_PROMPTS = 8  # half quoting, half free
 MAX_TOKENS = 512
 TOP_LOGPROBS = smoke_lib.TIE_TOP_K
-SAMPLED_REQUESTS, SAMPLED_CONCURRENCY = 32, 8
+SAMPLED_REQUESTS, SAMPLED_CONCURRENCY = 16, 8  # ~2,700 verify steps at k=4: per-position acceptance +- 1 point
 C1_REQUESTS = 3
-SEEDS = {"greedy": 0, "sampled": 1000, "c1": 2000}  # prompt seeds: no prompt is sent twice to one server
+SEEDS = {"greedy": 0, "sampled": 1000, "c1": 2000, "chisq": 3000, "prefix": 4000}  # no prompt sent twice
 TPOT = "vllm:request_time_per_output_token_seconds"
 BASELINE = "scripted-stock"  # the greedy answers every speculating server is compared with
+CHISQ_TOKENS = 100_000  # the issue's floor: samples of sc.DEPTH tokens, n per request, a few requests in flight
+CHISQ_N, CHISQ_IN_FLIGHT = 32, 4
+CHISQ_PROMPT_LEN = 24
+PREFIX_SEGMENTS, PREFIX_SEGMENT_LEN, PREFIX_ANSWER = 50, 60, 32  # a 3,008-token prompt, 32 greedy tokens
+PROFILE_TOKENS = 64
+REFERENCE_CHECK_TOKENS = 64  # the float32 reference along the first greedy prompt and its chain
+# what each server measures beyond greedy, sampled (speculating servers) and c1
+EXTRA_PARTS = {"scripted-stock": ("chisq", "prefix", "profile"), "scripted-stock-mtp4": ("chisq", "profile"),
+               "scripted-patched-plain": ("profile",), "scripted-patched-mtp4": ("chisq", "prefix", "profile")}
 # time limits (s); budget: the whole run, from start to the last server stopped
-LIMITS = {"synth": 420, "predict": 420, "boot": 600, "greedy": 240, "sampled": 300, "c1": 240, "stop": 60}
-DEFAULT_BUDGET_S = 690  # the ~12-minute slot, less packing
+LIMITS = {"synth": 420, "predict": 600, "boot": 600, "greedy": 240, "sampled": 300, "c1": 240, "chisq": 240,
+          "prefix": 120, "profile": 120, "stop": 60}
+DEFAULT_BUDGET_S = 1320  # a 30-minute session less staging (~5 min) and packing
 
 
 def log(msg: str) -> None:
@@ -137,6 +157,8 @@ def predict(ckpt: Path, device: str) -> dict:
                     for name, by_k in profiles.items()}
     greedy_next = inputs["greedy"][0].argmax(-1).tolist()
     proposal = inputs["greedy"][1].tolist()
+    check = reference_check(ref, design)
+    rows, margin = sc.support_tree(ref, chisq_prompt(design))
     return {
         "checkpoint": str(ckpt), "device": device, "mtp_agree": design.mtp_agree,
         "default_sampling": vars(default), "k": K,
@@ -148,8 +170,39 @@ def predict(ckpt: Path, device: str) -> dict:
         "greedy_successor": {str(t): design.active[j] for t, j in zip(design.active, greedy_next, strict=True)},
         "mtp_proposal": {str(t): (design.active[j] if j >= 0 else -1)
                          for t, j in zip(design.active, proposal, strict=True)},
+        "reference_check": check,
+        "chisq": {"prompt": chisq_prompt(design), "sampling": sc.SAMPLING, "depth": sc.DEPTH,
+                  "nucleus_margin": margin, "rows": sc.rows_to_json(rows)},
         "seconds": round(time.time() - t0, 1),
     }
+
+
+def chisq_prompt(design) -> list[int]:
+    """A chain walk: the chi-square samples' fixed context."""
+    return design.walk(design.active[SEEDS["chisq"] % len(design.active)], CHISQ_PROMPT_LEN - 1)
+
+
+def reference_check(ref, design) -> dict:
+    """The float32 forward over the first greedy prompt and the first REFERENCE_CHECK_TOKENS of its chain: does its
+    argmax follow the chain, by how much do the branches move the logits (the wobble against the context-free
+    table), and the smallest top-1/top-2 gap; the top-20 logits per position, to set the engine's bf16 against."""
+    import torch
+
+    prompt = prompts_for(design, "greedy", 1)[0]["ids"]
+    chain = design.walk(prompt[-1], REFERENCE_CHECK_TOKENS)[1:]
+    ids = [*prompt, *chain[:-1]]
+    logits = ref.logits(ids)[len(prompt) - 1:]
+    free = ref.context_free_logits(ids[len(prompt) - 1:])
+    active = torch.tensor(design.active, device=logits.device)
+    wobble = (logits - free)[:, active]
+    top = logits.topk(smoke_lib.TIE_TOP_K, dim=-1)
+    argmax = logits.argmax(-1).tolist()
+    return {"prompt": 0, "positions": len(chain), "argmax_is_chain": sum(a == c for a, c in zip(argmax, chain, strict=True)),
+            "first_off_chain": next((i for i, (a, c) in enumerate(zip(argmax, chain, strict=True)) if a != c), None),
+            "wobble_std": float(wobble.std()), "wobble_max": float(wobble.abs().max()),
+            "min_top_gap": float((top.values[:, 0] - top.values[:, 1]).min()),
+            "top": [{str(int(t)): float(v) for t, v in zip(ti, vi, strict=True)}
+                    for ti, vi in zip(top.indices.tolist(), top.values.tolist(), strict=True)]}
 
 
 # ---------------------------------------------------------------- expectations (standard library)
@@ -244,6 +297,7 @@ def spec_delta(before: str, after: str) -> dict:
 
 
 def _body(model: str, prompt, sampling: Mapping[str, float], **extra) -> dict:
+    """A completions request; `sampling` may also set max_tokens (default MAX_TOKENS)."""
     return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, **sampling, **extra}
 
 
@@ -331,6 +385,76 @@ def measure_c1(client: serving.Client, model: str, prompts: Sequence[list[int]],
     return out
 
 
+def measure_chisq(client: serving.Client, model: str, prompt: list[int]) -> dict:
+    """CHISQ_TOKENS sampled tokens after `prompt` at sc.SAMPLING, sc.DEPTH per sample, CHISQ_N samples a request."""
+    samples_needed = -(-CHISQ_TOKENS // sc.DEPTH)
+    requests = -(-samples_needed // CHISQ_N)
+    body = {"model": model, "prompt": prompt, "max_tokens": sc.DEPTH, "n": CHISQ_N, "ignore_eos": True,
+            "return_token_ids": True, **sc.SAMPLING}
+    before = metrics(client)
+    t0 = time.monotonic()
+    deadline = t0 + LIMITS["chisq"]
+
+    def one(_):
+        answer = client.post_json("/v1/completions", body, timeout_s=max(1.0, deadline - time.monotonic()))
+        return [c["token_ids"] for c in answer["choices"]]
+
+    with ThreadPoolExecutor(max_workers=CHISQ_IN_FLIGHT) as pool:
+        samples = [s for batch in pool.map(one, range(requests)) for s in batch]
+    return {"seconds": round(time.monotonic() - t0, 2), "samples": samples, "sampling": dict(sc.SAMPLING),
+            "spec": spec_delta(before, metrics(client))}
+
+
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+
+
+def counter(page: str, name: str) -> float:
+    return sum(s.value for s in serving.parse_prometheus(page) if s.name == name)
+
+
+def measure_prefix(client: serving.Client, model: str, prompt: list[int]) -> dict:
+    """The same long prompt answered after the prefix cache was emptied, then again from the cache."""
+    body = {**_body(model, prompt, GREEDY, logprobs=TOP_LOGPROBS, return_tokens_as_token_ids=True,
+                    return_token_ids=True), "max_tokens": PREFIX_ANSWER}
+    runs = []
+    for cached in (False, True):
+        if not cached:
+            client.post_json("/reset_prefix_cache", {}, timeout_s=60)
+        before = counter(metrics(client), PREFIX_HITS)
+        answer = client.post_json("/v1/completions", body, timeout_s=LIMITS["prefix"])
+        hits = counter(metrics(client), PREFIX_HITS) - before
+        runs.append({"cached": cached, "hit_tokens": hits,
+                     "trace": smoke_lib.trace_from_choice(answer["choices"][0])})
+    cold, warm = runs[0]["trace"], runs[1]["trace"]
+    agreement = logit_agreement([cold], [warm])
+    return {"prompt_tokens": len(prompt), "answer_tokens": PREFIX_ANSWER,
+            "hit_tokens": [r["hit_tokens"] for r in runs], "same_tokens": cold.token_ids == warm.token_ids,
+            "logits": agreement}
+
+
+def measure_profile(client: serving.Client, model: str, prompt: list[int], sampling: Mapping[str, float],
+                    trace_dir: Path, out_dir: Path, name: str) -> dict:
+    """A C1 answer of PROFILE_TOKENS between /start_profile and /stop_profile; the trace gzipped to out_dir."""
+    import gzip
+    import shutil
+
+    from bench import step_profile
+
+    before = set(trace_dir.rglob("*.json*"))
+    client.post_json("/start_profile", {}, timeout_s=60)
+    try:
+        run = stream_once(client, model, prompt, {**sampling, "max_tokens": PROFILE_TOKENS})
+    finally:
+        client.post_json("/stop_profile", {}, timeout_s=120)
+    trace = step_profile.new_trace(trace_dir, before, timeout_s=LIMITS["profile"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / f"{name}.trace.json.gz"
+    with open(trace, "rb") as src, gzip.open(target, "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst)
+    return {"tokens": run["tokens"], "chunks": run["chunks"], "trace": target.name,
+            "trace_bytes": target.stat().st_size}
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -340,10 +464,15 @@ class Record:
     def __init__(self, path: Path, data: dict):
         self.path, self.data = path, data
         self.traces: dict[str, list[smoke_lib.GreedyTrace]] = {}  # greedy answers by server (own files: ~3 MB each)
+        self.samples: dict[str, list[list[int]]] = {}  # chi-square samples by server (own files)
 
     def keep_traces(self, name: str, records: list[dict]) -> None:
         self.traces[name] = [smoke_lib.GreedyTrace.from_record(r) for r in records]
         serving.write_json_atomic(self.path.with_name(f"{name}-greedy.json"), records)
+
+    def keep_samples(self, name: str, samples: list[list[int]]) -> None:
+        self.samples[name] = samples
+        serving.write_json_atomic(self.path.with_name(f"{name}-chisq-samples.json"), samples)
 
     def save(self) -> None:
         serving.write_json_atomic(self.path, self.data)
@@ -387,32 +516,53 @@ def patch_state(patched_site: Path | None, python: str, env: Mapping[str, str]) 
     return state
 
 
-def build_servers(args: argparse.Namespace, out: Path) -> list[run_full.Server]:
+def build_servers(args: argparse.Namespace, out: Path, configs: Sequence[fb.BenchConfig],
+                  first_port: int) -> list[run_full.Server]:
     servers = []
-    for i, cfg in enumerate(fb.SCRIPTED_CONFIGS.values()):
+    for i, cfg in enumerate(configs):
         paths = [str(args.patched_site), str(args.site)] if cfg.patched else [str(args.site)]
         probe = plan.Probe.detect(REPO)  # the plan's vLLM facts are vllm_028's, whichever vllm the server runs
-        cmd = fb.server_command(cfg, python=args.python, ckpt=args.ckpt, port=args.base_port + i,
-                                traces=out / f"traces-{cfg.name}", probe=probe)
-        servers.append(run_full.Server(cfg, cmd, args.base_port + i, os.pathsep.join(paths),
-                                       out / f"{cfg.name}.server.log"))
+        port = first_port + i
+        cmd = fb.server_command(cfg, python=args.python, ckpt=args.ckpt, port=port, traces=out / f"traces-{cfg.name}",
+                                probe=probe)
+        servers.append(run_full.Server(cfg, cmd, port, os.pathsep.join(paths), out / f"{cfg.name}.server.log"))
     return servers
 
 
-def judge(rec: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], design, greedy_prompts: list[dict]) -> dict:
+def waves(args: argparse.Namespace, out: Path) -> list[list[run_full.Server]]:
+    """The first wave, then the sweep: the single-user plan's servers, then stock's (ports never reused)."""
+    sweep = list(fb.SCRIPTED_SWEEP.values())
+    groups = [list(fb.SCRIPTED_CONFIGS.values()), [c for c in sweep if c.patched], [c for c in sweep if not c.patched]]
+    out_waves, port = [], args.base_port
+    for configs in groups:
+        out_waves.append(build_servers(args, out, configs, port))
+        port += len(configs)
+    return out_waves
+
+
+def judge(rec: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], samples: Mapping[str, list[list[int]]],
+          design, greedy_prompts: list[dict]) -> dict:
     """Every check that the measurements so far allow, with its numbers."""
     meas, pred = rec["measurements"], rec.get("prediction") or {}
     checks: dict = {}
     reference = traces.get(BASELINE)
     expected = [expected_chain(design, p["ids"]) for p in greedy_prompts]
-    walk = None
+    walks: dict[int, dict] = {}
     if pred.get("greedy_successor"):
         successor = {int(t): v for t, v in pred["greedy_successor"].items()}
         proposal = {int(t): v for t, v in pred["mtp_proposal"].items()}
-        walk = greedy_walk_acceptance([successor[p["ids"][-1]] for p in greedy_prompts], successor, proposal, K,
-                                      MAX_TOKENS)
-        rec["prediction_greedy_walk"] = walk
+        firsts = [successor[p["ids"][-1]] for p in greedy_prompts]
+        walks = {k: greedy_walk_acceptance(firsts, successor, proposal, k, MAX_TOKENS)
+                 for k in {m.get("k", K) for m in meas.values()} if k}
+        rec["prediction_greedy_walk"] = {str(k): w for k, w in walks.items()}
+    check = pred.get("reference_check")
+    if check:
+        checks["reference: the float32 forward of the written weights follows the designed chain"] = {
+            "passed": check["argmax_is_chain"] == check["positions"],
+            **{key: v for key, v in check.items() if key != "top"}}
+    rows = sc.rows_from_json(pred["chisq"]["rows"]) if pred.get("chisq") else None
     for name, m in meas.items():
+        k = m.get("k", K)
         greedy = m.get("greedy")
         if greedy and name in traces:
             checks[f"{name}: greedy answers are the designed chain"] = chain_check(traces[name], expected)
@@ -422,14 +572,29 @@ def judge(rec: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], design, 
                     "passed": not comparison.unexplained, **comparison.summary()}
                 checks[f"{name}: top-20 raw logits agree with no speculation"] = logit_agreement(reference,
                                                                                                  traces[name])
-            if walk and greedy["spec"]["speculative"]:
+            if k in walks and greedy["spec"]["speculative"]:
                 checks[f"{name}: greedy acceptance per position = the exact greedy walk"] = compare_acceptance(
-                    greedy["spec"]["per_position_acceptance"], walk["acceptance_per_position"])
+                    greedy["spec"]["per_position_acceptance"], walks[k]["acceptance_per_position"])
         sampled = m.get("sampled")
-        if sampled and pred.get("acceptance_per_position"):
+        default = (pred.get("by_k") or {}).get(f"default_{m.get('draft_sample')}_drafts", {}).get(str(k))
+        if sampled and default:
             which = f"default_{m['draft_sample']}_drafts"
             checks[f"{name}: default-sampling acceptance per position = prediction ({which})"] = compare_acceptance(
-                sampled["spec"]["per_position_acceptance"], pred["acceptance_per_position"][which])
+                sampled["spec"]["per_position_acceptance"], default)
+        if name in samples and rows is not None:
+            checks[f"{name}: chi-square of {sc.DEPTH}-token samples against the reference"] = sc.chi_square(
+                samples[name], rows)
+        prefix = m.get("prefix")
+        if prefix:
+            checks[f"{name}: a cache hit gives the same tokens and raw logits"] = {
+                "passed": prefix["same_tokens"] and prefix["logits"]["passed"] and prefix["hit_tokens"][1] > 0,
+                **prefix}
+    if rows is not None and pred.get("mtp_proposal") and samples:
+        proposal = {int(t): v for t, v in pred["mtp_proposal"].items()}
+        n = max(len(v) for v in samples.values())
+        broken = sc.chi_square(sc.simulate(rows, lambda t: proposal.get(t, -1), K, n, seed=1, broken=True), rows)
+        checks["chi-square has the power to see a broken rejection rule (simulated on the same rows)"] = {
+            **broken, "passed": not broken["passed"]}
     return checks
 
 
@@ -446,9 +611,7 @@ def start_record(path: Path, args: argparse.Namespace, env: Mapping[str, str]) -
         "acceptance_within": ACCEPTANCE_WITHIN, "budget_s": args.budget_s, "limits_s": LIMITS, "phases_s": {},
         "prediction": None, "servers": {}, "measurements": {}, "checks": {}, "passed": False, "skipped": [],
         "errors": {},
-        "not_measured_here": ("chi-square of the sampled distribution (>= 1e5 tokens, and the reference's exact "
-                              "distribution on every sampled context), servers for k = 1, 2, 3, 5, 7 (only their "
-                              "predictions), prefix caching, the draft vocabulary"),
+        "not_measured_here": "the draft vocabulary and the prepared (int8) checkpoint",
     })
     rec.save()
     return rec
@@ -456,10 +619,24 @@ def start_record(path: Path, args: argparse.Namespace, env: Mapping[str, str]) -
 
 def finish(rec: Record, design, greedy_prompts: list[dict]) -> bool:
     """The checks over everything measured; passed when there are some and all pass."""
-    rec.data["checks"] = judge(rec.data, rec.traces, design, greedy_prompts)
+    rec.data["checks"] = judge(rec.data, rec.traces, rec.samples, design, greedy_prompts)
     rec.data["passed"] = bool(rec.data["checks"]) and all(c["passed"] for c in rec.data["checks"].values())
     rec.save()
     return rec.data["passed"]
+
+
+def boot(servers: list[run_full.Server], rec: Record, out: Path, limit_s: float) -> None:
+    t_boot = time.monotonic()
+    for s in servers:
+        (out / f"traces-{s.cfg.name}").mkdir(exist_ok=True)
+        rec.data["servers"][s.cfg.name] = {"cmd": f"PYTHONPATH={s.pythonpath} {s.cmd.shell()}",
+                                           "what": s.cfg.what, "port": s.port}
+        log(f"{s.cfg.name}: starting on port {s.port}")
+        s.start()
+    rec.save()
+    run_full.wait_until_up(servers, max(1.0, limit_s - (time.monotonic() - t_boot)))
+    for s in servers:
+        rec.data["servers"][s.cfg.name].update(state=s.state, boot_s=s.start_seconds)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -492,70 +669,84 @@ def run(args: argparse.Namespace) -> int:
     from qwen_serving.checkpoint.scripted import Design
 
     design = Design.read(args.ckpt)
-    greedy_prompts = prompts_for(design, "greedy", GREEDY_PROMPTS)
+    prompts = make_prompts(design)
     rec.data["checkpoint"].update(mtp_agree=design.mtp_agree, hidden=design.hidden, active=len(design.active))
     if abs(design.mtp_agree - args.agree) > 1e-9:
         rec.data["errors"]["checkpoint"] = f"{args.ckpt} has --mtp-agree {design.mtp_agree}, not {args.agree}"
+    rec.data["prompts"] = {"greedy": [{k: p[k] for k in ("kind", "seed")} | {"tokens": len(p["ids"])}
+                                      for p in prompts.greedy], "sampled": len(prompts.sampled),
+                           "c1": len(prompts.c1), "max_tokens": MAX_TOKENS, "chisq": prompts.chisq,
+                           "prefix_tokens": len(prompts.prefix)}
     rec.phase("checkpoint", time.monotonic() - t0)
 
-    # 2. servers boot, and the prediction runs beside them
-    servers = build_servers(args, out)
+    # 2. the first wave boots, and the prediction (the reference at full size) runs beside it
+    all_waves = waves(args, out)
     predict_out = out / "prediction.json"
     predict_out.unlink(missing_ok=True)
     with open(out / "prediction.log", "w") as predict_log:
         predictor = subprocess.Popen([args.python, str(Path(__file__).resolve()), "--predict", str(predict_out),
                                       "--ckpt", str(args.ckpt), "--device", args.device],
                                      cwd=REPO, env=env, stdout=predict_log, stderr=subprocess.STDOUT)
-    t_boot = time.monotonic()
+    sampling = default_sampling(args.ckpt)
+    boot_s = LIMITS["boot"]
     try:
-        for s in servers:
-            (out / f"traces-{s.cfg.name}").mkdir(exist_ok=True)
-            rec.data["servers"][s.cfg.name] = {"cmd": f"PYTHONPATH={s.pythonpath} {s.cmd.shell()}",
-                                               "what": s.cfg.what, "port": s.port}
-            log(f"{s.cfg.name}: starting on port {s.port}")
-            s.start()
-        rec.save()
-        try:
-            predictor.wait(timeout=left(LIMITS["predict"]) or 1)
-        except subprocess.TimeoutExpired:
-            predictor.kill()
-            predictor.wait(timeout=30)
-        if predict_out.exists():
-            rec.data["prediction"] = json.loads(predict_out.read_text())
-            log("prediction: " + json.dumps(rec.data["prediction"]["acceptance_per_position"]))
-        else:
-            rec.data["errors"]["prediction"] = f"exit {predictor.returncode} (see prediction.log)"
-        rec.phase("prediction", time.monotonic() - t_boot)
-        run_full.wait_until_up(servers, left(LIMITS["boot"] - (time.monotonic() - t_boot)))
-        for s in servers:
-            rec.data["servers"][s.cfg.name].update(state=s.state, boot_s=s.start_seconds)
-        rec.phase("boot", time.monotonic() - t_boot)
-
-        # 3. one server after the other
-        sampled_prompts = [p["ids"] for p in prompts_for(design, "sampled", SAMPLED_REQUESTS)]
-        c1_prompts = [p["ids"] for p in prompts_for(design, "c1", C1_REQUESTS)]
-        rec.data["prompts"] = {"greedy": [{k: p[k] for k in ("kind", "seed")} | {"tokens": len(p["ids"])}
-                                          for p in greedy_prompts], "sampled": len(sampled_prompts),
-                               "c1": len(c1_prompts), "max_tokens": MAX_TOKENS}
-        sampling = default_sampling(args.ckpt)
-        for s in servers:
-            if s.state == "up":
-                measure_one(s, rec, greedy_prompts, sampled_prompts, c1_prompts, sampling, left)
-            s.stop()
-            rec.data["servers"][s.cfg.name]["log_tail"] = s.log_tail(40)
-            finish(rec, design, greedy_prompts)
+        for index, servers in enumerate(all_waves):
+            if index:  # a sweep wave: only when its boot and its servers' measures fit what is left
+                need = boot_s + len(servers) * 60
+                if deadline - time.monotonic() < need:
+                    rec.data["skipped"] += [f"{s.cfg.name}: not booted (run budget spent)" for s in servers]
+                    continue
+            t_boot = time.monotonic()
+            boot(servers, rec, out, left(LIMITS["boot"]))
+            if index == 0:
+                try:
+                    predictor.wait(timeout=left(LIMITS["predict"]) or 1)
+                except subprocess.TimeoutExpired:
+                    predictor.kill()
+                    predictor.wait(timeout=30)
+                if predict_out.exists():
+                    rec.data["prediction"] = json.loads(predict_out.read_text())
+                    log("prediction: " + json.dumps(rec.data["prediction"]["acceptance_per_position"]))
+                    log("reference: " + json.dumps({k: v for k, v in rec.data["prediction"]["reference_check"].items()
+                                                    if k != "top"}))
+                else:
+                    rec.data["errors"]["prediction"] = f"exit {predictor.returncode} (see prediction.log)"
+                rec.phase("prediction", time.monotonic() - t_boot)
+            boot_s = time.monotonic() - t_boot
+            rec.phase(f"boot wave {index}", boot_s)
+            for s in servers:
+                if s.state == "up":
+                    measure_one(s, rec, prompts, sampling, left, out, sweep=index > 0)
+                s.stop()
+                rec.data["servers"][s.cfg.name]["log_tail"] = s.log_tail(40)
+                finish(rec, design, prompts.greedy)
     finally:
         if predictor.poll() is None:
             predictor.kill()
-        for s in servers:
-            s.stop()
-            smoke_lib.trim_to_tail(s.log_path, 8 << 20)
-    finish(rec, design, greedy_prompts)
+        for servers in all_waves:
+            for s in servers:
+                s.stop()
+                smoke_lib.trim_to_tail(s.log_path, 8 << 20)
+    rec.data["sweep"] = sweep_table(rec.data["measurements"])
+    finish(rec, design, prompts.greedy)
     rec.phase("total", time.monotonic() - t_start)
     failed = [name for name, c in rec.data["checks"].items() if not c["passed"]]
     log(f"checks: {len(rec.data['checks']) - len(failed)} passed, {len(failed)} failed" +
         "".join(f"\n  FAILED {name}" for name in failed))
     return 0 if rec.data["passed"] and not rec.data["errors"] else 1
+
+
+def sweep_table(meas: Mapping[str, dict]) -> list[dict]:
+    """Per server with a C1 measure: stack, k, tokens per step, ms per step, decode tok/s (the server's counters)."""
+    rows = []
+    for name, m in meas.items():
+        c1 = m.get("c1") or {}
+        if not c1.get("server_tpot_ms"):
+            continue
+        rows.append({"server": name, "stack": "patched" if "patched" in name else "stock", "k": m.get("k", 0),
+                     "tokens_per_step": c1["spec"]["tokens_per_step"], "ms_per_step": c1.get("ms_per_step"),
+                     "decode_tok_s": c1.get("server_decode_tok_s"), "client_decode_tok_s": c1.get("client_decode_tok_s")})
+    return sorted(rows, key=lambda r: (r["stack"], r["k"]))
 
 
 def default_sampling(ckpt: Path) -> dict:
@@ -564,19 +755,54 @@ def default_sampling(ckpt: Path) -> dict:
     return {"temperature": float(gen["temperature"]), "top_k": int(gen["top_k"]), "top_p": float(gen["top_p"])}
 
 
-def measure_one(server: run_full.Server, rec: Record, greedy_prompts: list[dict], sampled_prompts: list[list[int]],
-                c1_prompts: list[list[int]], sampling: dict, left: Callable[[float], float]) -> None:
-    """greedy, then (speculating servers) the sampled batch, then C1; each part recorded as it ends."""
+def draft_tokens(cmd: fb.ServerCommand) -> int:
+    """The server's k (0: no speculation)."""
+    if "--speculative-config" not in cmd.argv:
+        return 0
+    return int(json.loads(cmd.argv[cmd.argv.index("--speculative-config") + 1])["num_speculative_tokens"])
+
+
+@dataclass(frozen=True)
+class Prompts:
+    greedy: list[dict]
+    sampled: list[list[int]]
+    c1: list[list[int]]
+    chisq: list[int]
+    prefix: list[int]
+
+
+def make_prompts(design) -> Prompts:
+    from qwen_serving.checkpoint import scripted
+
+    segments = min(PREFIX_SEGMENTS, len(design.active) // PREFIX_SEGMENT_LEN)  # the tiny cycle holds 4
+    prefix = scripted.quoting_prompt(design, SEEDS["prefix"], segments=segments, segment_len=PREFIX_SEGMENT_LEN)
+    return Prompts(greedy=prompts_for(design, "greedy", GREEDY_PROMPTS),
+                   sampled=[p["ids"] for p in prompts_for(design, "sampled", SAMPLED_REQUESTS)],
+                   c1=[p["ids"] for p in prompts_for(design, "c1", C1_REQUESTS)],
+                   chisq=chisq_prompt(design), prefix=prefix["ids"])
+
+
+def measure_one(server: run_full.Server, rec: Record, prompts: Prompts, sampling: dict,
+                left: Callable[[float], float], out: Path, sweep: bool = False) -> None:
+    """greedy, then (speculating servers) the sampled batch, then C1, then the server's EXTRA_PARTS; each part
+    recorded as it ends. A sweep server sends two C1 requests."""
     name = server.cfg.name
     client = serving.Client(server.url)
     model = fb.SERVED_NAME
     m = rec.data["measurements"].setdefault(name, {})
     m["draft_sample"] = draft_sample(server.cmd)
+    m["k"] = draft_tokens(server.cmd)
+    c1 = prompts.c1[:2] if sweep else prompts.c1
     parts: list[tuple[str, Callable[[], dict]]] = [
-        ("greedy", lambda: measure_greedy(client, model, [p["ids"] for p in greedy_prompts]))]
+        ("greedy", lambda: measure_greedy(client, model, [p["ids"] for p in prompts.greedy]))]
     if m["draft_sample"]:
-        parts.append(("sampled", lambda: measure_sampled(client, model, sampled_prompts, sampling)))
-    parts.append(("c1", lambda: measure_c1(client, model, c1_prompts, sampling)))
+        parts.append(("sampled", lambda: measure_sampled(client, model, prompts.sampled, sampling)))
+    parts.append(("c1", lambda: measure_c1(client, model, c1, sampling)))
+    extra = {"chisq": lambda: measure_chisq(client, model, prompts.chisq),
+             "prefix": lambda: measure_prefix(client, model, prompts.prefix),
+             "profile": lambda: measure_profile(client, model, prompts.c1[0], sampling, out / f"traces-{name}",
+                                                out / "profiles", name)}
+    parts += [(part, extra[part]) for part in EXTRA_PARTS.get(name, ())]
     log(f"{name}: GPU before measuring (utilization, memory used): {run_full.gpu_state()}")
     for part, measure in parts:
         if left(LIMITS[part]) < LIMITS[part] / 4:
@@ -587,6 +813,8 @@ def measure_one(server: run_full.Server, rec: Record, greedy_prompts: list[dict]
             m[part] = measure()
             if part == "greedy":
                 rec.keep_traces(name, m[part].pop("traces"))
+            elif part == "chisq":
+                rec.keep_samples(name, m[part].pop("samples"))
         except Exception as err:  # a failed part is recorded; the other parts and servers still run
             rec.data["errors"][f"{name}: {part}"] = f"{type(err).__name__}: {str(err)[:1500]}"
         rec.phase(f"{name}: {part}", time.monotonic() - t0)
@@ -621,8 +849,9 @@ def main(argv: list[str]) -> int:
         serving.write_json_atomic(args.predict, predict(args.ckpt, args.device))
         return 0
     if args.dry_run:
-        for s in build_servers(args, args.out.resolve()):
-            print(f"# {s.cfg.name} (port {s.port}): {s.cfg.what}\nPYTHONPATH={s.pythonpath} {s.cmd.shell()}")
+        for wave in waves(args, args.out.resolve()):
+            for s in wave:
+                print(f"# {s.cfg.name} (port {s.port}): {s.cfg.what}\nPYTHONPATH={s.pythonpath} {s.cmd.shell()}")
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still stops the servers
     return run(args)

@@ -393,9 +393,9 @@ def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, 
                       "(default_probabilistic_drafts)"]
     wrong = checks[failed[1]]
     assert wrong["difference"][2] == pytest.approx(0.05, abs=1e-3) and wrong["within"] == sm.ACCEPTANCE_WITHIN
-    # reference; chain x3; identity, logits, greedy walk x2; sampled x2; chi-square x3 and its power; prefix x2
-    assert len(checks) == 1 + 3 + 2 * 3 + 2 + 3 + 1 + 2
-    for name in ("scripted-stock", "scripted-stock-mtp4"):
+    # reference; chain x3; identity, logits, greedy walk x2; sampled x2; chi-square x2 and its power; prefix x2
+    assert len(checks) == 1 + 3 + 2 * 3 + 2 + 2 + 1 + 2
+    for name in ("scripted-stock",):
         chisq = checks[f"{name}: chi-square of {sc.DEPTH}-token samples against the reference"]
         assert chisq["passed"] and chisq["tokens"] >= sm.CHISQ_TOKENS, chisq
         assert (tmp_path / f"{name}-chisq-samples.json").exists()

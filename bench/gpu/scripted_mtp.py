@@ -73,15 +73,19 @@ CHISQ_TOKENS = 100_000  # the issue's floor: samples of sc.DEPTH tokens, n per r
 CHISQ_N, CHISQ_IN_FLIGHT = 32, 4
 CHISQ_PROMPT_LEN = 24
 PREFIX_SEGMENTS, PREFIX_SEGMENT_LEN, PREFIX_ANSWER = 50, 60, 32  # a 3,008-token prompt, 32 greedy tokens
-PROFILE_TOKENS = 64
+PROFILE_TOKENS = 48
+# trace events kept (GPU work, step and phase annotations, launches): CPU ops and Python frames stay behind
+PROFILE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "user_annotation", "gpu_user_annotation",
+                                "cuda_runtime", "cuda_driver"})
 REFERENCE_CHECK_TOKENS = 64  # the float32 reference along the first greedy prompt and its chain
 # what each server measures beyond greedy, sampled (speculating servers) and c1
-EXTRA_PARTS = {"scripted-stock": ("chisq", "prefix", "profile"), "scripted-stock-mtp4": ("chisq", "profile"),
+# (stock's greedy-draft rule is the CPU test's; the GPU run samples MTP off and the product's probabilistic drafts)
+EXTRA_PARTS = {"scripted-stock": ("chisq", "prefix", "profile"), "scripted-stock-mtp4": ("profile",),
                "scripted-patched-plain": ("profile",), "scripted-patched-mtp4": ("chisq", "prefix", "profile")}
 # time limits (s); budget: the whole run, from start to the last server stopped
 LIMITS = {"synth": 420, "predict": 600, "boot": 600, "greedy": 240, "sampled": 300, "c1": 240, "chisq": 240,
           "prefix": 120, "profile": 120, "stop": 60}
-DEFAULT_BUDGET_S = 1320  # a 30-minute session less staging (~5 min) and packing
+DEFAULT_BUDGET_S = 1200  # a 30-minute session less staging (~5 min), polling and packing
 
 
 def log(msg: str) -> None:
@@ -436,8 +440,8 @@ def measure_profile(client: serving.Client, model: str, prompt: list[int], sampl
                     trace_dir: Path, out_dir: Path, name: str) -> dict:
     """A C1 answer of PROFILE_TOKENS between /start_profile and /stop_profile; the trace gzipped to out_dir."""
     import gzip
-    import shutil
 
+    from bench import step_analysis as sp
     from bench import step_profile
 
     before = set(trace_dir.rglob("*.json*"))
@@ -446,13 +450,15 @@ def measure_profile(client: serving.Client, model: str, prompt: list[int], sampl
         run = stream_once(client, model, prompt, {**sampling, "max_tokens": PROFILE_TOKENS})
     finally:
         client.post_json("/stop_profile", {}, timeout_s=120)
-    trace = step_profile.new_trace(trace_dir, before, timeout_s=LIMITS["profile"])
+    trace = sp.read_trace(step_profile.new_trace(trace_dir, before, timeout_s=LIMITS["profile"]))
+    events = trace.get("traceEvents", [])
+    kept = [e for e in events if e.get("cat") in PROFILE_CATEGORIES]
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"{name}.trace.json.gz"
-    with open(trace, "rb") as src, gzip.open(target, "wb", compresslevel=6) as dst:
-        shutil.copyfileobj(src, dst)
-    return {"tokens": run["tokens"], "chunks": run["chunks"], "trace": target.name,
-            "trace_bytes": target.stat().st_size}
+    with gzip.open(target, "wt", compresslevel=6) as dst:
+        json.dump({**{k: v for k, v in trace.items() if k != "traceEvents"}, "traceEvents": kept}, dst)
+    return {"tokens": run["tokens"], "chunks": run["chunks"], "trace": target.name, "events": len(events),
+            "events_kept": len(kept), "trace_bytes": target.stat().st_size}
 
 
 # ---------------------------------------------------------------- the run

@@ -93,6 +93,8 @@ class Interleaved:
         while self.pending() and self.rounds < max_rounds:
             for arm in arm_order(self.rounds, self.arms):
                 todo = self.pending()
+                if not todo:  # the other arm's turn finished the last condition: boot nothing more
+                    break
                 with session(arm):
                     for condition in todo:
                         self.values[arm][condition].append(measure(arm, condition))

@@ -455,6 +455,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--url", default="http://127.0.0.1:18020")
     p.add_argument("--api-key", help="default: $VLLM_API_KEY, else the first line of api_key.txt")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--results-file", type=Path, help="write here instead of OUT/TAG-quality.json")
     p.add_argument("--parts", default=None,
                    help=f"comma-separated, of {', '.join(PARTS)} (default: perplexity,gsm8k; scripted alone with "
                         "--expect-scripted)")
@@ -505,10 +506,10 @@ def main(argv: list[str] | None = None) -> int:
                     "scripted": {"model_dir": str(args.expect_scripted), "tokens": args.scripted_tokens,
                                  "walk": args.scripted_walk, "seed": SCRIPTED_WALK_SEED}
                     if "scripted" in args.parts else None}
-        path = args.out / f"{args.tag}-quality.json"
+        path = args.results_file or args.out / f"{args.tag}-quality.json"
         if args.force:
             path.unlink(missing_ok=True)
-        args.out.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         results = Results(path, identity)
         results.data.update(server={k: server.get(k) for k in ("url", "vllm_version", "model")},
                             machine=harness.machine_facts(), gsm8k_source=gsm_source)

@@ -96,8 +96,9 @@ def _gsm_file(tmp_path: Path, n: int) -> Path:
 
 class FakeVllm(http.server.ThreadingHTTPServer):
     """The routes the battery reads, answered like vLLM 0.28.0: completions with `prompt_logprobs` (a list of
-    {id: {logprob, rank, decoded_token}}, None first) from `logprobs_fn(ids) -> [T, V] log-probabilities`, text
-    prompts tokenized one byte per token; chat completions from `chat_fn(content)`."""
+    {id: {logprob, rank, decoded_token}}, None first) from `logprobs_fn(ids) -> [T, V] log-probabilities` for
+    token-id prompts, text prompts tokenized one byte per token and scored by bigram_logprobs; chat completions
+    from `chat_fn(content)`."""
 
     def __init__(self, logprobs_fn: Callable, chat_fn: Callable[[str], str] = lambda q: "", fail_after: int | None = None):
         self.requests: list[dict] = []
@@ -149,7 +150,7 @@ def fake_fails(fake: FakeVllm, fail_after: int | None) -> bool:
 def completion(body: dict, logprobs_fn: Callable) -> dict:
     prompt = body["prompt"]
     ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
-    table = logprobs_fn(ids)
+    table = bigram_logprobs(ids) if isinstance(prompt, str) else logprobs_fn(ids)
     plp: list = [None]
     for pos in range(1, len(ids)):
         row = [float(x) for x in table[pos - 1]]
@@ -305,3 +306,20 @@ def test_scripted_battery_matches_the_closed_form(scripted_tiny, tmp_path, capsy
     wrong.shutdown()
     bad = json.loads((tmp_path / "w-quality.json").read_text())["scripted"]["check"]
     assert not bad["within_tolerance"] and "OUTSIDE" in capsys.readouterr().out
+
+
+def test_gpu_script_on_the_cpu(scripted_tiny, tmp_path, capsys):
+    """bench/gpu/quality_scripted.py, the H200 command, run here with --device cpu on the tiny checkpoint."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quality_scripted", REPO / "bench" / "gpu" / "quality_scripted.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    server = reference_server(scripted_tiny)
+    out = tmp_path / "results" / "scripted-quality.json"
+    argv = ["--url", server.url, "--ckpt", str(scripted_tiny), "--out", str(out), "--device", "cpu", "--tokens", "120"]
+    assert gpu.main(argv) == 0, capsys.readouterr().err
+    server.shutdown()
+    data = json.loads(out.read_text())
+    assert data["check_passed"] and data["elapsed_s"] > 0 and data["scripted"]["check"]["tokens"] == 120
+    assert set(data["perplexity"]["texts"]) == set(qb.TEXT_FILES)

@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,7 +156,7 @@ def arm_session(arm: Arm, log_dir: Path, boot_timeout_s: float) -> Iterator[None
     if arm.command is None:
         yield
         return
-    port = int(arm.url.rsplit(":", 1)[1].split("/")[0])
+    port = urllib.parse.urlsplit(arm.url).port
     arm.server = serving.ServerProcess(f"arm {arm.name}", ["bash", "-c", arm.command], port,
                                        log_dir / f"arm-{arm.name}-{time.strftime('%H%M%S')}.log")
     arm.server.launch()
@@ -239,6 +240,9 @@ def prefill_ab(argv: Sequence[str]) -> int:
     if args.tolerance <= 0 or args.max_rounds < 2:
         p.error("--tolerance must be > 0 and --max-rounds >= 2 (a reproduction needs two measurements)")
     arms = {"A": Arm("A", args.a_url.rstrip("/"), args.a_cmd), "B": Arm("B", args.b_url.rstrip("/"), args.b_cmd)}
+    for arm in arms.values():
+        if arm.command is not None and urllib.parse.urlsplit(arm.url).port is None:
+            p.error(f"--{arm.name.lower()}-url {arm.url}: a server started from a command needs an explicit port")
     key = serving.api_key(args.api_key)
     path = args.out / f"{args.tag}-prefill-ab.json"
     args.out.mkdir(parents=True, exist_ok=True)

@@ -152,6 +152,8 @@ def test_prefill_ab_arm_that_never_boots_is_reported(monkeypatch, tmp_path, caps
     assert repeats.main(argv) == 3
     assert "exited with code 7" in capsys.readouterr().err
     assert json.loads((tmp_path / "dead-prefill-ab.json").read_text())["rounds"] == 0
+    with pytest.raises(SystemExit):  # a command's server must say where it listens
+        repeats.main(["prefill-ab", "x", "--a-url", "http://127.0.0.1", "--a-cmd", "true", "--b-url", "http://b:1"])
 
 
 def test_shell_wrappers_reach_the_python(tmp_path):

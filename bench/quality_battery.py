@@ -100,7 +100,7 @@ def final_number(answer: str) -> str | None:
     3. else the last number anywhere in the text.
     A number is an optional minus sign (also U+2212), an optional "$", digits with optional comma
     thousands separators ("1,234" but not "1,23"), an optional decimal part; a period that ends a sentence is
-    not a decimal point ("is 42." -> 42), nor is a period inside a word or version string's lead. "50%" is 50.
+    not a decimal point ("is 42." -> 42); a number glued to a letter or a period ("v1.2", "x2") is not read. "50%" is 50.
     Values compare as decimals: "3.0" equals "3", "0.50" equals "0.5". None when no number is found.
     """
     if _MARKER in answer:

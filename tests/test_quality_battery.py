@@ -1,0 +1,325 @@
+"""bench/quality_battery.py on the CPU: the GSM8K final-number rule, perplexity from prompt logprobs against a
+fake vLLM whose distribution is known, resuming a stopped run, and the scripted check against the tiny scripted
+checkpoint's reference (the battery's perplexity equals the closed form; a wrong model is caught)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import math
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from bench import quality_battery as qb
+from tests.helpers.fake_http import send_json
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "qwen3.8-27b"
+
+
+# ---------------------------------------------------------------- the final-number rule
+
+
+@pytest.mark.parametrize("answer, expected", [
+    ("#### 42", "42"),
+    ("so she earns 9 * 2 = $18 a day.\n#### 18", "18"),  # the marker wins over later-looking numbers
+    ("12 apples, then #### 7 and 9 more words", "7"),  # first number after the last marker
+    ("The total is 1,234 dollars.", "1234"),  # thousands separators
+    ("It costs $1,234.50 in all.", "1234.5"),  # $, commas, decimals
+    ("The temperature falls to -7 degrees.", "-7"),  # negative
+    ("He owes \u22125 dollars.", "-5"),  # a typographic minus
+    ("#### $-5.", "-5"),
+    ("The answer is 42.", "42"),  # a sentence's period is not a decimal point
+    ("The answer is 3.0.", "3"),  # equal as decimals
+    ("#### 0.50", "0.5"),
+    ("Half of it: .5", "0.5"),
+    ("First 3, then 5, and finally 12", "12"),  # several numbers: the last
+    ("Between 1,000 and 2,500 people, about 1,750.", "1750"),
+    ("\\boxed{1,000} is what I get, step 7 of 7", "1000"),  # a boxed answer beats the last number
+    ("It grows by 50%.", "50"),
+    ("- 5 apples", "5"),  # a list dash is not a minus sign
+    ("tool v1.2 gives 10", "10"),
+    ("I cannot tell.", None),  # none
+    ("#### ", None),
+    ("", None),
+    ("-0", "0"),
+])
+def test_final_number_rule(answer, expected):
+    assert qb.final_number(answer) == expected
+
+
+def test_gsm8k_references_and_scoring():
+    item = {"question": "q", "answer": "3 + 4 = <<3+4=7>>7 ...\n#### 1,600"}
+    assert qb.score_gsm8k(item, "So the answer is $1600.")["correct"]
+    assert qb.score_gsm8k(item, "1,600 or maybe 1,601")["correct"] is False
+    assert qb.score_gsm8k(item, "no idea") == {"reference": "1600", "extracted": None, "correct": False,
+                                                "answer": "no idea"}
+
+
+def test_gsm8k_source_errors_are_clear(tmp_path, monkeypatch):
+    with pytest.raises(qb.BatteryError, match="--gsm8k-file .*missing"):
+        qb.gsm8k_questions(tmp_path / "missing", 1)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "#### 1"}\nnot json\n')
+    with pytest.raises(qb.BatteryError, match="line 2"):
+        qb.gsm8k_questions(bad, 2)
+    with pytest.raises(qb.BatteryError, match="has 1 questions"):
+        qb.gsm8k_questions(_gsm_file(tmp_path, 1), 5)
+    # no network: the message names the way out; a download with the wrong content is refused
+    with pytest.raises(qb.BatteryError, match="--gsm8k-file PATH"):
+        qb.gsm8k_questions(None, 1, url="http://127.0.0.1:9/test.jsonl", timeout_s=5)
+    good = _gsm_file(tmp_path, 3)
+    with pytest.raises(qb.BatteryError, match="sha256"):
+        qb.gsm8k_questions(None, 1, url=good.as_uri(), sha256="0" * 64)
+    items, source = qb.gsm8k_questions(None, 2, url=good.as_uri(), sha256=source_sha(good))
+    assert [i["question"] for i in items] == ["question 0", "question 1"] and source["questions_in_file"] == 3
+
+
+def source_sha(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _gsm_file(tmp_path: Path, n: int) -> Path:
+    path = tmp_path / f"gsm-{n}.jsonl"
+    path.write_text("".join(json.dumps({"question": f"question {i}", "answer": f"work\n#### {i * 1000:,}"}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+# ---------------------------------------------------------------- a fake vLLM
+
+
+class FakeVllm(http.server.ThreadingHTTPServer):
+    """The routes the battery reads, answered like vLLM 0.28.0: completions with `prompt_logprobs` (a list of
+    {id: {logprob, rank, decoded_token}}, None first) from `logprobs_fn(ids) -> [T, V] log-probabilities` for
+    token-id prompts, text prompts tokenized one byte per token and scored by bigram_logprobs; chat completions
+    from `chat_fn(content)`."""
+
+    def __init__(self, logprobs_fn: Callable, chat_fn: Callable[[str], str] = lambda q: "", fail_after: int | None = None):
+        self.requests: list[dict] = []
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                routes = {"/version": {"version": "0.28.0"},
+                          "/v1/models": {"data": [{"id": MODEL, "root": "/models/q", "max_model_len": 4096}]}}
+                if self.path == "/metrics":
+                    data = b"# no samples\n"
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                elif self.path in routes:
+                    send_json(self, routes[self.path])
+                else:
+                    send_json(self, {"detail": "Not Found"}, 404)
+
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.requests.append(body)
+                if fake_fails(fake, fail_after):
+                    send_json(self, {"error": "engine dead"}, 500)
+                elif self.path == "/v1/completions":
+                    send_json(self, completion(body, logprobs_fn))
+                elif self.path == "/v1/chat/completions":
+                    text = chat_fn(body["messages"][-1]["content"])
+                    send_json(self, {"choices": [{"message": {"content": text}, "finish_reason": "stop"}]})
+                else:
+                    send_json(self, {"detail": "Not Found"}, 404)
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+def fake_fails(fake: FakeVllm, fail_after: int | None) -> bool:
+    return fail_after is not None and len(fake.requests) > fail_after
+
+
+def completion(body: dict, logprobs_fn: Callable) -> dict:
+    prompt = body["prompt"]
+    ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
+    table = bigram_logprobs(ids) if isinstance(prompt, str) else logprobs_fn(ids)
+    plp: list = [None]
+    for pos in range(1, len(ids)):
+        row = [float(x) for x in table[pos - 1]]
+        order = sorted(range(len(row)), key=lambda j: -row[j])
+        keep = {ids[pos], *order[: body["prompt_logprobs"]]}
+        plp.append({str(j): {"logprob": row[j], "rank": order.index(j) + 1, "decoded_token": "?"} for j in keep})
+    return {"choices": [{"text": "x", "prompt_logprobs": plp, "prompt_token_ids": ids}],
+            "usage": {"prompt_tokens": len(ids)}}
+
+
+def bigram_logprobs(ids: list[int]) -> list[list[float]]:
+    """A known byte-level model: p(next | prev) proportional to 1 + ((prev * 7 + next) % 13)."""
+    rows = []
+    for prev in ids:
+        weights = [1.0 + ((prev * 7 + nxt) % 13) for nxt in range(256)]
+        total = sum(weights)
+        rows.append([math.log(w / total) for w in weights])
+    return rows
+
+
+def expected_text_ppl(text: str) -> tuple[int, float]:
+    ids = list(text.encode())
+    rows = bigram_logprobs(ids)
+    nll = -sum(rows[i][ids[i + 1]] for i in range(len(ids) - 1))
+    return len(ids) - 1, nll
+
+
+def _run(args: list[str]) -> int:
+    return qb.main(args)
+
+
+def test_perplexity_and_gsm8k_against_a_fake_server(tmp_path, capsys):
+    answers = {f"question {i}": f"Working...\n#### {i * 1000:,}" if i % 2 == 0 else "I think it is 5."
+               for i in range(6)}
+    server = FakeVllm(bigram_logprobs, lambda content: answers[content.rsplit("\n\n", 1)[1]])
+    gsm = _gsm_file(tmp_path, 8)
+    rc = _run(["t", "--url", server.url, "--out", str(tmp_path), "--gsm8k-file", str(gsm), "--gsm8k-n", "6",
+               "--concurrency", "2"])
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads((tmp_path / "t-quality.json").read_text())
+    total_tokens = total_nll = 0
+    for name, file in qb.TEXT_FILES.items():
+        tokens, nll = expected_text_ppl((qb.TEXTS / file).read_text())
+        assert data["perplexity"]["texts"][name]["tokens"] == tokens  # every position but the first
+        assert data["perplexity"]["texts"][name]["ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-9)
+        total_tokens, total_nll = total_tokens + tokens, total_nll + nll
+    assert data["perplexity"]["pooled"]["ppl"] == pytest.approx(math.exp(total_nll / total_tokens), rel=1e-9)
+    # question 0 -> "#### 0" right, odd ones wrong ("5" vs 1000 i), 2 and 4 right: 3 of 6
+    assert data["gsm8k"]["correct"] == 3 and data["gsm8k"]["accuracy"] == 0.5
+    assert data["server"]["vllm_version"] == "0.28.0" and data["identity"]["model"] == MODEL
+    assert data["gsm8k_source"]["sha256"] == source_sha(gsm)
+    assert data["date"] == data["started"][:10] and data["finished"]
+    chat = [r for r in server.requests if "messages" in r]
+    assert all(r["temperature"] == 0 and r["chat_template_kwargs"] == {"enable_thinking": False} for r in chat)
+    out = capsys.readouterr().out
+    assert "GSM8K exact match: 3/6 = 50.0%" in out and "| **pooled** |" in out
+    server.shutdown()
+
+
+def test_a_stopped_run_continues_where_it_stopped(tmp_path, capsys):
+    gsm = _gsm_file(tmp_path, 4)
+    args = ["t", "--url", "", "--out", str(tmp_path), "--gsm8k-file", str(gsm), "--gsm8k-n", "4",
+            "--concurrency", "1"]
+    dying = FakeVllm(bigram_logprobs, lambda c: "#### 0", fail_after=4)  # 3 texts, one question, then HTTP 500
+    args[2] = dying.url
+    assert _run(args) == 3
+    dying.shutdown()
+    partial = json.loads((tmp_path / "t-quality.json").read_text())
+    assert len(partial["perplexity"]["texts"]) == 3 and list(partial["gsm8k"]["items"]) == ["0"]
+    assert "finished" not in partial
+    healthy = FakeVllm(bigram_logprobs, lambda c: "#### 0")
+    args[2] = healthy.url
+    assert _run(args) == 0, capsys.readouterr().err
+    asked = [r["messages"][-1]["content"].rsplit("\n\n", 1)[1] for r in healthy.requests if "messages" in r]
+    assert sorted(asked) == ["question 1", "question 2", "question 3"]  # nothing asked twice, no text rescored
+    assert not [r for r in healthy.requests if "prompt" in r]
+    done = json.loads((tmp_path / "t-quality.json").read_text())
+    assert done["gsm8k"]["answered"] == 4 and done["gsm8k"]["correct"] == 1  # only "#### 0" is right
+    # another run's settings never mix into this file
+    assert _run([*args[:-2], "--gsm8k-n", "3"]) == 2
+    assert "holds another run" in capsys.readouterr().err
+    healthy.shutdown()
+
+
+def test_bad_arguments_and_no_server(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        qb.main(["t", "--parts", "perplexity,ifbench"])
+    with pytest.raises(SystemExit):
+        qb.main(["t", "--parts", "scripted"])
+    with pytest.raises(SystemExit):
+        qb.main(["t", "--expect-scripted", str(tmp_path)])
+    capsys.readouterr()
+    assert qb.main(["t", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "r")]) == 3
+    assert "no usable vLLM server" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+# ---------------------------------------------------------------- the scripted check
+
+
+@pytest.fixture(scope="module")
+def scripted_tiny(tmp_path_factory) -> Path:
+    from qwen_serving.checkpoint import synth
+
+    out = tmp_path_factory.mktemp("scripted") / "tiny"
+    assert synth.main(["--size", "tiny", "--out", str(out), "--seed", "0", "--behaviour", "scripted"]) == 0
+    return out
+
+
+def reference_server(model_dir: Path, scale: float = 1.0) -> FakeVllm:
+    """The tiny scripted checkpoint's full float32 forward (residual branches, state and all), its logits rounded
+    to bf16 as the engine returns them, then log-softmax in float32 (vLLM's compute_logprobs)."""
+    import torch
+
+    from qwen_serving.checkpoint.scripted_reference import Reference
+
+    ref = Reference(model_dir)
+
+    def logprobs(ids: list[int]):
+        with torch.no_grad():
+            logits = ref.logits(ids).to(torch.bfloat16).float() * scale
+        return logits.log_softmax(-1).tolist()
+
+    return FakeVllm(logprobs)
+
+
+def test_scripted_battery_matches_the_closed_form(scripted_tiny, tmp_path, capsys):
+    import torch
+
+    torch.set_num_threads(1)
+    args = ["s", "--out", str(tmp_path), "--expect-scripted", str(scripted_tiny), "--scripted-tokens", "300",
+            "--scripted-walk", "101"]
+    server = reference_server(scripted_tiny)
+    assert _run([*args, "--url", server.url]) == 0, capsys.readouterr().err
+    server.shutdown()
+    data = json.loads((tmp_path / "s-quality.json").read_text())
+    check = data["scripted"]["check"]
+    assert check["tokens"] == 300 and [len(w["ids"]) for w in data["scripted"]["walks"]] == [101, 101, 101]
+    assert check["within_tolerance"] and abs(check["relative_difference"]) < 0.005
+    assert 1e-3 < check["logprob_diff_rms"] < 0.1  # the branches' wobble is there, and small
+    assert check["top1_agreement"] == 1.0
+    # walks follow the design: mostly chain successors, each token scored against its own row
+    design = json.loads((scripted_tiny / "scripted.json").read_text())
+    chain = dict(zip(design["active"], design["chain"], strict=True))
+    ids = [w["ids"] for w in data["scripted"]["walks"]]
+    share = sum(chain[a] == b for w in ids for a, b in zip(w, w[1:], strict=False)) / 300
+    assert 0.65 < share < 0.85  # designed: 0.755 at temperature 1
+    assert 1.8 < check["closed_form_ppl"] < 2.4  # exp(entropy) of the designed rows, ~2.1
+
+    # a model that is not the checkpoint (logits 8% sharper) is caught: exit 1, outside the tolerance
+    wrong = reference_server(scripted_tiny, scale=1.08)
+    assert _run(["w", *args[1:], "--url", wrong.url]) == 1
+    wrong.shutdown()
+    bad = json.loads((tmp_path / "w-quality.json").read_text())["scripted"]["check"]
+    assert not bad["within_tolerance"] and "OUTSIDE" in capsys.readouterr().out
+
+
+def test_gpu_script_on_the_cpu(scripted_tiny, tmp_path, capsys):
+    """bench/gpu/quality_scripted.py, the H200 command, run here with --device cpu on the tiny checkpoint."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quality_scripted", REPO / "bench" / "gpu" / "quality_scripted.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    server = reference_server(scripted_tiny)
+    out = tmp_path / "results" / "scripted-quality.json"
+    argv = ["--url", server.url, "--ckpt", str(scripted_tiny), "--out", str(out), "--device", "cpu", "--tokens", "120"]
+    assert gpu.main(argv) == 0, capsys.readouterr().err
+    server.shutdown()
+    data = json.loads(out.read_text())
+    assert data["check_passed"] and data["elapsed_s"] > 0 and data["scripted"]["check"]["tokens"] == 120
+    assert set(data["perplexity"]["texts"]) == set(qb.TEXT_FILES)

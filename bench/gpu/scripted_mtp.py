@@ -82,10 +82,15 @@ REFERENCE_CHECK_TOKENS = 64  # the float32 reference along the first greedy prom
 # (stock's greedy-draft rule is the CPU test's; the GPU run samples MTP off and the product's probabilistic drafts)
 EXTRA_PARTS = {"scripted-stock": ("chisq", "prefix", "profile"), "scripted-stock-mtp4": ("profile",),
                "scripted-patched-plain": ("profile",), "scripted-patched-mtp4": ("chisq", "prefix", "profile")}
+# the first wave's tools of issue #22, while all four servers are up: the quality battery's scripted check on
+# stock, real_rep on the plan without speculation, prefill_ab between the two (bench/README.md)
+QUALITY_TAG = "scripted-h200"
+PREFILL_AB_LENS = "1024,3072"  # within SCRIPTED_MAX_LEN
+SWEEP_SERVER_S = 60  # a sweep server's greedy, sampled and C1 parts
 # time limits (s); budget: the whole run, from start to the last server stopped
 LIMITS = {"synth": 420, "predict": 600, "boot": 600, "greedy": 240, "sampled": 300, "c1": 240, "chisq": 240,
-          "prefix": 120, "profile": 120, "stop": 60}
-DEFAULT_BUDGET_S = 1200  # a 30-minute session less staging (~5 min), polling and packing
+          "prefix": 120, "profile": 120, "quality": 120, "real_rep": 150, "prefill_ab": 180, "stop": 60}
+DEFAULT_BUDGET_S = 1380  # a 30-minute session less staging (~5 min), polling and packing
 
 
 def log(msg: str) -> None:
@@ -645,6 +650,38 @@ def boot(servers: list[run_full.Server], rec: Record, out: Path, limit_s: float)
         rec.data["servers"][s.cfg.name].update(state=s.state, boot_s=s.start_seconds)
 
 
+def wave_tools(servers: Mapping[str, run_full.Server], rec: Record, out: Path, env: Mapping[str, str],
+               python: str, ckpt: Path, left: Callable[[float], float]) -> None:
+    """Issue #22's tools against the first wave's servers, each a subprocess within its limit; its exit code and
+    the tail of its output recorded, its JSON under OUT."""
+    stock, plain = servers.get("scripted-stock"), servers.get("scripted-patched-plain")
+    runs = []
+    if stock and stock.state == "up":
+        runs.append(("quality", [python, "bench/gpu/quality_scripted.py", "--url", stock.url, "--ckpt", str(ckpt),
+                                 "--out", str(out / f"{QUALITY_TAG}-quality.json")]))
+    if plain and plain.state == "up":
+        runs.append(("real_rep", [python, "bench/repeats.py", "real-rep", QUALITY_TAG, "3", "--url", plain.url,
+                                  "--out", str(out), "--harness-arg=--ignore-eos"]))
+    if stock and plain and stock.state == plain.state == "up":
+        runs.append(("prefill_ab", [python, "bench/repeats.py", "prefill-ab", QUALITY_TAG, "--a-url", stock.url,
+                                    "--b-url", plain.url, "--lens", PREFILL_AB_LENS, "--max-rounds", "3",
+                                    "--out", str(out)]))
+    tools = rec.data.setdefault("tools", {})
+    for part, argv in runs:
+        if left(LIMITS[part]) < LIMITS[part] / 2:
+            rec.data["skipped"].append(f"{part} (run budget spent)")
+            continue
+        t0 = time.monotonic()
+        try:
+            done = subprocess.run(argv, cwd=REPO, env=dict(env), capture_output=True, text=True,
+                                  timeout=left(LIMITS[part]))
+            tools[part] = {"rc": done.returncode, "output_tail": (done.stdout + done.stderr)[-3000:]}
+        except subprocess.TimeoutExpired as err:
+            tools[part] = {"rc": None, "output_tail": f"timed out after {err.timeout:.0f} s"}
+        rec.phase(f"tools: {part}", time.monotonic() - t0)
+        log(f"{part}: rc {tools[part]['rc']}")
+
+
 def run(args: argparse.Namespace) -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -698,7 +735,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for index, servers in enumerate(all_waves):
             if index:  # a sweep wave: only when its boot and its servers' measures fit what is left
-                need = boot_s + len(servers) * 60
+                need = boot_s + len(servers) * SWEEP_SERVER_S
                 if deadline - time.monotonic() < need:
                     rec.data["skipped"] += [f"{s.cfg.name}: not booted (run budget spent)" for s in servers]
                     continue
@@ -723,9 +760,17 @@ def run(args: argparse.Namespace) -> int:
             for s in servers:
                 if s.state == "up":
                     measure_one(s, rec, prompts, sampling, left, out, sweep=index > 0)
+                finish(rec, design, prompts.greedy)
+            # the tools only where the patched sweep still fits after them
+            sweep_need = boot_s + len(all_waves[1]) * SWEEP_SERVER_S if len(all_waves) > 1 else 0
+            if index == 0 and deadline - time.monotonic() - sweep_need > LIMITS["quality"]:
+                wave_tools({s.cfg.name: s for s in servers}, rec, out, env, args.python, args.ckpt,
+                           lambda limit, keep=sweep_need: max(0.0, min(limit, deadline - time.monotonic() - keep)))
+            elif index == 0:
+                rec.data["skipped"].append("the issue #22 tools (budget kept for the sweep)")
+            for s in servers:
                 s.stop()
                 rec.data["servers"][s.cfg.name]["log_tail"] = s.log_tail(40)
-                finish(rec, design, prompts.greedy)
     finally:
         if predictor.poll() is None:
             predictor.kill()

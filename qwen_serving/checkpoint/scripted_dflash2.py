@@ -189,6 +189,8 @@ def drafter_config(target: Design, target_config: dict, design: DrafterDesign) -
         "rms_norm_eps": 1e-06,
         "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
         "sliding_window": WINDOW,
+        "use_sliding_window": True,  # else transformers' Qwen3Config drops sliding_window
+        "max_window_layers": 0,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
         "vocab_size": target.vocab,
@@ -363,17 +365,18 @@ class DraftReference:
 
 
 def predicted_acceptance(drafter: DraftReference, active: list[int], sampling: Sampling,
-                         drafts: int = DRAFTS) -> list[float]:
+                         drafts: int = DRAFTS, steps: int = 4000) -> list[float]:
     """Per-position acceptance averaged over the step starts of a long generation, from the tensors:
     the context-free target rows and the drafter's follow map (its drafts are a point mass: q(d) = 1
-    up to exp(-margin / T), so vLLM's min(1, p/q) is p(d), as for a greedy draft)."""
+    up to exp(-margin / T), so vLLM's min(1, p/q) is p(d), as for a greedy draft). `steps`: the
+    generation length the average runs over, from a uniform start (markov_acceptance)."""
     index = {t: i for i, t in enumerate(active)}
     ref = drafter.target
     columns = torch.tensor(active, device=ref.w.device)
     transition = sampling_probs(ref.context_free_logits(active)[:, columns], sampling)
     follow, _ = drafter.follow_map(active)
     propose = torch.tensor([index.get(t, -1) for t in follow], device=transition.device)
-    return markov_acceptance(transition, propose, drafts)
+    return markov_acceptance(transition, propose, drafts, steps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,6 +72,15 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, *
         x.copy_(v.view_as(x).to(x.dtype))
 
 
+class ContextWriter:
+    """The attention impl's cache write, as the precompute calls it: keeps the layer's context K/V."""
+
+    context: tuple[torch.Tensor, torch.Tensor]
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        self.context = (key.float(), value.float())
+
+
 class ContextAttention(torch.nn.Module):
     """Stands in for Attention: keeps the context K/V the precompute writes, attends the block to it."""
 
@@ -79,15 +88,13 @@ class ContextAttention(torch.nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.scale = heads, kv_heads, head_dim, scale
         self.kv_cache = None
-        self.impl = self
-        self.context = None
+        self.impl = ContextWriter()
 
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        self.context = (key.float(), value.float())
+
 
     def forward(self, q, k, v):
         n, hd = q.shape[0], self.head_dim
-        ck, cv = self.context
+        ck, cv = self.impl.context
         keys = torch.cat([ck, k.view(n, self.kv_heads, hd).float()])
         values = torch.cat([cv, v.view(n, self.kv_heads, hd).float()])
         group = self.heads // self.kv_heads
@@ -139,8 +146,8 @@ def main() -> None:
         for layer in model.model.layers:
             attn = layer.self_attn
             attn.attn = ContextAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling)
-        model.model._build_fused_kv_buffers()
         model.float()
+        model.model._build_fused_kv_buffers()  # the precompute's fused copies, now of the float32 weights
         for module in model.modules():
             if type(module).__name__ == "LogitsProcessor":  # else the lm_head casts back to bf16
                 module.head_dtype = None

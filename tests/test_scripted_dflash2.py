@@ -188,3 +188,48 @@ def test_bad_target_or_agree_is_a_clear_error(tmp_path, target, capsys):
     with pytest.raises(SystemExit):
         sd2.main([str(four), "--out", str(tmp_path / "d"), "--agree", "0.5", "--seed", "0"])
     assert "--layers 8" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the GPU check, without a GPU
+
+
+def _gpu_script():
+    sys.path.insert(0, str(REPO / "bench" / "gpu"))
+    import scripted_dflash2 as gpu  # noqa: PLC0415
+    import scripted_mtp as sm  # noqa: PLC0415
+
+    return gpu, sm
+
+
+def test_gpu_server_is_the_plan_that_vllm_serve_parses(vllm_cli, drafters):
+    from bench import fullbench as fb
+    from qwen_serving.plan import Probe
+
+    gpu, _ = _gpu_script()
+    cmd = fb.server_command(gpu.config(drafters[0.5], prefix_cache=False), python="py", ckpt=Path("/ckpt"),
+                            port=18090, traces=Path("/t"), probe=Probe.detect(REPO))
+    ns, ea = vllm_cli.serve(cmd.argv)
+    assert ea.speculative_config == {"method": "dflash", "model": str(drafters[0.5]), "num_speculative_tokens": 7}
+    assert ea.enable_prefix_caching is False and ea.async_scheduling is False
+    assert cmd.env["VLLM_DISABLED_KERNELS"] == "MacheteLinearKernel"
+
+
+def test_gpu_walk_over_answers_and_prediction(tmp_path, drafters, target, design):
+    """The GPU check's expectations on the tiny pair: its --predict child, and the walk over greedy answers (the
+    designed chain here) against scripted_mtp's exact greedy walk and the Markov prediction."""
+    gpu, sm = _gpu_script()
+    prediction = gpu.predict(target, drafters[0.8], "cpu")
+    assert prediction["acceptance_per_position"]["greedy"] == pytest.approx(
+        sd2.predicted_acceptance(sd2.DraftReference(drafters[0.8], target), design.active, GREEDY))
+    successor = {int(t): v for t, v in prediction["greedy_successor"].items()}
+    proposal = {int(t): v for t, v in prediction["proposal"].items()}
+    assert all(successor[t] == design.next_in_chain(t) for t in design.active)
+    firsts = [design.next_in_chain(t) for t in design.active]
+    answers = [design.walk(first, 511) for first in firsts]
+    walked = gpu.answer_walk_acceptance(answers, proposal, successor, 7)
+    assert walked == sm.greedy_walk_acceptance(firsts, successor, proposal, 7, 512)
+    # from every start, 512-token answers: the long-generation prediction up to the answers' ends
+    assert max(abs(a - b) for a, b in zip(walked["acceptance_per_position"],
+                                          prediction["acceptance_per_position"]["greedy"], strict=True)) < 0.03
+    # a target that leaves the chain: the drafter's run stops where the answer does
+    assert gpu.answer_walk_acceptance([[firsts[0], -5, -6]], proposal, successor, 7)["acceptance_per_position"][0] == 0.0

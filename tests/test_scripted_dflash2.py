@@ -105,7 +105,7 @@ def test_walk_follows_the_chain_for_the_agreeing_share(references, drafters, des
 def test_vllm_loads_and_proposes_what_the_reference_says(drafters, references, target, design):
     """vLLM 0.28.0's DFlash2Qwen3ForCausalLM, loaded by its DefaultModelLoader from the directory, run
     forward + candidates + selector + walk kernel on the CPU (scripted_dflash2_vllm.py): the same
-    blocks as the reference, at several agree values, for two different contexts."""
+    blocks as the reference, at several agree values, for two different contexts, greedy and sampled."""
     anchors = design.active[::37]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
            "OMP_NUM_THREADS": "1"}
@@ -120,6 +120,11 @@ def test_vllm_loads_and_proposes_what_the_reference_says(drafters, references, t
         expected = {str(a): references[q].block(a) for a in anchors}
         assert result["blocks"] == expected
         assert result["blocks_other_context"] == expected
+        # Gumbel-noised walk (probabilistic drafts) at T 0.6 / 1 / 2: the margin keeps it on the same path ...
+        assert all(block == expected[a] for a, blocks in result["blocks_sampled"].items() for block in blocks)
+        # ... while the same kernel over scores 1000 times flatter does sample (the noise path is live)
+        assert sum(block != expected[a] for a, blocks in result["blocks_flattened_scores"].items()
+                   for block in blocks) >= len(anchors)
         if q == 1.0:
             assert all(block == design.walk(int(a), 7)[1:] for a, block in result["blocks"].items())
 

@@ -10,11 +10,14 @@ load_dflash_model does. Per anchor, vLLM's code runs: combine_hidden_states (fc)
 context of target aux hidden states, precompute_and_store_context_kv, the forward over the query
 block [anchor, mask x 7] (grouped convs, attention, MLP, norms), compute_candidates (top-K of the
 lm_head), the CandidateSelector's edge scores, and the V2 speculator's `_selector_walk_kernel`
-(Triton, in the interpreter) at temperature 0. Replaced, having no CPU kernel in this build:
+(Triton, in the interpreter) at temperature 0 and, Gumbel-noised as with probabilistic drafts, at
+SAMPLED_TEMPERATURES. Replaced, having no CPU kernel in this build:
 - `vllm._custom_ops.rms_norm` / `rotary_embedding` (the context-KV precompute's fused ops): torch;
+- libdevice's log1p in the walk's Gumbel noise (no interpreter implementation): log(1 + x);
 - the Attention kernel: softmax attention of the block's queries over the stored context K/V and
   the block's own K/V (causal, as the drafter's sliding layers are).
-Writes {"blocks": {anchor: [7 drafts]}, "blocks_other_context": {...}, "candidates": K}.
+Writes {"blocks": {anchor: [7 drafts]}, "blocks_other_context": {...}, "blocks_sampled": {anchor: [one block
+per temperature and context]}, "blocks_flattened_scores": {...}, "candidates": K}.
 """
 
 import json
@@ -36,11 +39,14 @@ from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa: E402
 from vllm.model_executor.model_loader.utils import initialize_model  # noqa: E402
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
+from vllm.triton_utils import tl  # noqa: E402
+from vllm.v1.worker.gpu.sample import gumbel  # noqa: E402
 from vllm.v1.worker.gpu.spec_decode.dflash2.speculator import _selector_walk_kernel  # noqa: E402
 
 from tests.helpers.vllm_cpu_models import start_cpu_world  # noqa: E402
 
 DRAFTS = 7
+SAMPLED_TEMPERATURES = (0.6, 1.0, 2.0)  # the walk Gumbel-noised, as with draft_sample_method probabilistic
 
 
 def rms_norm(out, x, weight, eps):
@@ -70,6 +76,14 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, *
         new = torch.cat([r1, r2], -1) if is_neox else torch.stack([r1, r2], -1).flatten(-2)
         v[..., :rot] = new
         x.copy_(v.view_as(x).to(x.dtype))
+
+
+class InterpretedLibdevice:
+    """gumbel_noised_argmax's one libdevice call, which Triton's interpreter does not implement."""
+
+    @staticmethod
+    def log1p(x):
+        return tl.log(1.0 + x)
 
 
 class ContextWriter:
@@ -112,16 +126,19 @@ def target_tensor(target: Path, name: str) -> torch.Tensor:
         return f.get_tensor(name)
 
 
-def walk(scores: torch.Tensor, candidates: torch.Tensor, position: int) -> list[int]:
-    """vLLM's _selector_walk_kernel for one request at temperature 0."""
+def walk(scores: torch.Tensor, candidates: torch.Tensor, position: int, temperature: float = 0.0,
+         seed: int = 0) -> list[int]:
+    """vLLM's _selector_walk_kernel for one request: plain argmax at temperature 0, else Gumbel-max over
+    scores / temperature keyed by (seed, position, candidate id), as the V2 speculator runs it with
+    probabilistic drafts."""
     steps, top_k = candidates.shape[1], candidates.shape[2]
     tokens = torch.zeros(steps, dtype=torch.int64)
     realized = torch.zeros(1, steps, top_k, dtype=torch.float32)
     _selector_walk_kernel[(1,)](
         scores.float().contiguous(), candidates.contiguous(), torch.arange(steps) + position,
-        torch.zeros(steps, dtype=torch.int32), torch.zeros(1, dtype=torch.float32), torch.zeros(1, dtype=torch.int64),
-        tokens, realized, num_steps=steps, top_k=top_k, BLOCK_K=1 << (top_k - 1).bit_length(),
-        SAMPLE_PROBABILISTIC=False, USE_FP64=False)
+        torch.zeros(steps, dtype=torch.int32), torch.tensor([temperature], dtype=torch.float32),
+        torch.tensor([seed], dtype=torch.int64), tokens, realized, num_steps=steps, top_k=top_k,
+        BLOCK_K=1 << (top_k - 1).bit_length(), SAMPLE_PROBABILISTIC=temperature > 0, USE_FP64=False)
     return tokens.tolist()
 
 
@@ -135,6 +152,7 @@ def main() -> None:
     draft_config = config.speculative_config.draft_model_config
     _custom_ops.rms_norm = rms_norm
     _custom_ops.rotary_embedding = rotary_embedding
+    gumbel.tldevice = InterpretedLibdevice
     with set_current_vllm_config(config):
         with set_default_torch_dtype(draft_config.dtype), torch.device("cpu"):
             model = initialize_model(vllm_config=config, model_config=draft_config)
@@ -158,6 +176,8 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         feature = model.model.fc.input_size
         result = {"candidates": int(hf.dflash_config["selector_top_k"])}
+        sampled: dict[int, list[list[int]]] = {}
+        control: dict[int, list[list[int]]] = {}
         for key, context_len in (("blocks", 24), ("blocks_other_context", 40)):
             blocks = {}
             for anchor in anchors:
@@ -173,7 +193,14 @@ def main() -> None:
                     scores = model.model.candidate_selector(candidates[None], unary[None], hidden[None],
                                                             torch.tensor([anchor]))
                 blocks[anchor] = walk(scores, candidates[None], context_len + 1)
+                sampled.setdefault(anchor, []).extend(
+                    walk(scores, candidates[None], context_len + 1, temperature, seed=anchor + i)
+                    for i, temperature in enumerate(SAMPLED_TEMPERATURES))
+                # control: the same walk over scores shrunk 1000-fold (margin < 0.1) must wander
+                control.setdefault(anchor, []).extend(
+                    walk(scores * 1e-3, candidates[None], context_len + 1, 1.0, seed=anchor + i) for i in range(3))
             result[key] = blocks
+    result["blocks_sampled"], result["blocks_flattened_scores"] = sampled, control
     out_path.write_text(json.dumps(result))
 
 

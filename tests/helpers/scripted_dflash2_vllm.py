@@ -38,8 +38,8 @@ from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa: E402
 from vllm.model_executor.model_loader.utils import initialize_model  # noqa: E402
-from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
 from vllm.triton_utils import tl  # noqa: E402
+from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
 from vllm.v1.worker.gpu.sample import gumbel  # noqa: E402
 from vllm.v1.worker.gpu.spec_decode.dflash2.speculator import _selector_walk_kernel  # noqa: E402
 

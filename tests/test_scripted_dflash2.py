@@ -238,3 +238,23 @@ def test_gpu_walk_over_answers_and_prediction(tmp_path, drafters, target, design
                                           prediction["acceptance_per_position"]["greedy"], strict=True)) < 0.03
     # a target that leaves the chain: the drafter's run stops where the answer does
     assert gpu.answer_walk_acceptance([[firsts[0], -5, -6]], proposal, successor, 7)["acceptance_per_position"][0] == 0.0
+
+
+def test_gpu_judge_passes_the_expected_and_fails_a_wrong_acceptance(drafters, target, design):
+    gpu, sm = _gpu_script()
+    import smoke_lib  # noqa: PLC0415 (tests/gpu, on the path once scripted_mtp is imported)
+
+    prediction = gpu.predict(target, drafters[0.5], "cpu")
+    prompts = [{"ids": [design.active[i]]} for i in (0, 50, 100, 150)]
+    traces = [smoke_lib.GreedyTrace(design.walk(p["ids"][-1], sm.MAX_TOKENS)[1:], [0.0] * sm.MAX_TOKENS,
+                                    [{}] * sm.MAX_TOKENS) for p in prompts]
+    proposal = {int(t): v for t, v in prediction["proposal"].items()}
+    successor = {int(t): v for t, v in prediction["greedy_successor"].items()}
+    walk = gpu.answer_walk_acceptance([t.token_ids for t in traces], proposal, successor, 7)["acceptance_per_position"]
+    for measured, ok in ((walk, True), ([a + 0.05 for a in walk], False)):
+        rec = {"prediction": prediction, "measurements": {"greedy": {"spec": {"per_position_acceptance": measured}}}}
+        checks = gpu.judge(rec, traces, design, prompts)
+        assert checks["greedy answers are the designed chain"]["passed"]
+        assert checks["greedy acceptance per position = the drafter's walk over the answers"]["passed"] is ok
+    off_chain = [smoke_lib.GreedyTrace([t.token_ids[0], -1, *t.token_ids[2:]], t.chosen, t.top) for t in traces]
+    assert not gpu.judge(rec, off_chain, design, prompts)["greedy answers are the designed chain"]["passed"]

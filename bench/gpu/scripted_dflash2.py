@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -144,6 +145,17 @@ def answer_walk_acceptance(answers: list[list[int]], proposal: dict[int, int], s
     return {"drafts": drafts, "acceptance_per_position": [a / drafts for a in accepted] if drafts else []}
 
 
+def run_prediction(args: argparse.Namespace, env: dict, out: Path, timeout_s: float) -> dict:
+    """The --predict child (torch on the GPU, beside the booting server); its JSON."""
+    target = out / "prediction.json"
+    target.unlink(missing_ok=True)
+    with open(out / "prediction.log", "w") as f:
+        subprocess.run([args.python, str(Path(__file__).resolve()), "--predict", str(target), "--ckpt", str(args.ckpt),
+                        "--drafter", str(args.drafter), "--device", args.device], cwd=REPO, env=env, check=True,
+                       timeout=timeout_s, stdout=f, stderr=subprocess.STDOUT)
+    return json.loads(target.read_text())
+
+
 def judge(rec: dict, traces, design, prompts: list[dict]) -> dict:
     pred, meas = rec.get("prediction") or {}, rec["measurements"]
     checks: dict = {}
@@ -196,39 +208,26 @@ def run(args: argparse.Namespace) -> int:
                             probe=plan.Probe.detect(REPO))
     server = run_full.Server(cfg, cmd, args.port, str(args.site), out / "server.log")
     rec.data["server"] = {"cmd": f"PYTHONPATH={args.site} {cmd.shell()}", "what": cfg.what}
-    predict_out = out / "prediction.json"
-    predict_out.unlink(missing_ok=True)
-    with open(out / "prediction.log", "w") as predict_log:
-        predictor = subprocess.Popen([args.python, str(Path(__file__).resolve()), "--predict", str(predict_out),
-                                      "--ckpt", str(args.ckpt), "--drafter", str(args.drafter),
-                                      "--device", args.device], cwd=REPO, env=env, stdout=predict_log,
-                                     stderr=subprocess.STDOUT)
     t_boot = time.monotonic()
-    try:
-        (out / "traces").mkdir(exist_ok=True)
-        server.start()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        prediction = pool.submit(run_prediction, args, env, out, left(LIMITS["predict"]) or 1)
         try:
-            predictor.wait(timeout=left(LIMITS["predict"]) or 1)
-        except subprocess.TimeoutExpired:
-            predictor.kill()
-            predictor.wait(timeout=30)
-        if predict_out.exists():
-            rec.data["prediction"] = json.loads(predict_out.read_text())
-            log("prediction: " + json.dumps(rec.data["prediction"]["acceptance_per_position"]))
-        else:
-            rec.data["errors"]["prediction"] = f"exit {predictor.returncode} (see prediction.log)"
-        run_full.wait_until_up([server], left(LIMITS["boot"] - (time.monotonic() - t_boot)))
-        rec.data["server"].update(state=server.state, boot_s=server.start_seconds)
-        rec.phase("boot", time.monotonic() - t_boot)
-        client = serving.Client(server.url)
-        if server.state == "up":
-            measure(client, rec, prompts, args, left)
-        rec.data["server"]["log_tail"] = server.log_tail(60)
-    finally:
-        if predictor.poll() is None:
-            predictor.kill()
-        server.stop()
-        smoke_lib.trim_to_tail(server.log_path, 8 << 20)
+            (out / "traces").mkdir(exist_ok=True)
+            server.start()
+            run_full.wait_until_up([server], left(LIMITS["boot"]))
+            rec.data["server"].update(state=server.state, boot_s=server.start_seconds)
+            rec.phase("boot", time.monotonic() - t_boot)
+            try:
+                rec.data["prediction"] = prediction.result()
+                log("prediction: " + json.dumps(rec.data["prediction"]["acceptance_per_position"]))
+            except (subprocess.SubprocessError, OSError, ValueError) as err:
+                rec.data["errors"]["prediction"] = f"{err} (see prediction.log)"
+            if server.state == "up":
+                measure(serving.Client(server.url), rec, prompts, args, left)
+            rec.data["server"]["log_tail"] = server.log_tail(60)
+        finally:
+            server.stop()
+            smoke_lib.trim_to_tail(server.log_path, 8 << 20)
     rec.data["checks"] = judge(rec.data, rec.traces.get("greedy"), design, prompts)
     rec.data["passed"] = bool(rec.data["checks"]) and all(c["passed"] for c in rec.data["checks"].values())
     rec.phase("total", time.monotonic() - t_start)

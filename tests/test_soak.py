@@ -174,3 +174,43 @@ def test_log_events_counts_deaths_and_restarts():
             "INFO vLLM API server version 0.28.0\nRuntimeError: CUDA error: an illegal memory access\n")
     events = soak.log_events(text)
     assert events["death_lines"] == 2 and events["restarts"] == 1
+
+
+def test_answers_are_checked_where_any_weights_must_get_them_right():
+    forced = soak.Request(0, "tool_forced", "/v1/chat/completions", body={})
+
+    def chat(message, finish="stop"):
+        return json.dumps({"choices": [{"message": message, "finish_reason": finish}]})
+
+    call = {"tool_calls": [{"function": {"name": "get_weather", "arguments": '{"city": "Aarhus"}'}}]}
+    assert soak.answer_problem(forced, chat(call), 512) == ""
+    wrong = {"tool_calls": [{"function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    assert "forced call" in soak.answer_problem(forced, chat(wrong), 512)
+    assert soak.answer_problem(forced, chat({"tool_calls": []}, "length"), 512) == ""  # cut: nothing to check
+    structured = soak.Request(0, "structured", "/v1/chat/completions", body={})
+    assert "outside the schema" in soak.answer_problem(structured, chat({"content": '{"city": "Odense"}'}), 512)
+    assert "unreadable" in soak.answer_problem(structured, chat({"content": "not json"}), 512)
+    clamped = soak.Request(0, "max_tokens_over", "/v1/completions", body={})
+    usage = {"choices": [{"text": "x", "finish_reason": "length"}], "usage": {"prompt_tokens": 500,
+                                                                                 "completion_tokens": 20}}
+    assert "exceed max_model_len" in soak.answer_problem(clamped, json.dumps(usage), 512)
+    assert soak.answer_problem(clamped, json.dumps(usage), 520) == ""
+
+
+def test_the_gpu_visit_runner_bounds_the_soak_by_its_budget(fake, tmp_path):
+    sys.path.insert(0, str(REPO / "bench" / "gpu"))
+    import soak_visit
+
+    server = fake("--key", "k")
+    out = tmp_path / "soak-batch.json"
+    out.write_text('{"stale": true}')
+    rc = soak_visit.main(["--url", server.url, "--out", str(out), "--mode", "batch", "--api-key", "k", "--n", "60",
+                          "--budget-s", "100", "--server-log", str(server.log)])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["mode"] == "batch" and result["passed"] and "stale" not in result
+    assert out.with_suffix(".md").read_text().startswith("| kind |")
+    argv = soak_visit.soak_argv(soak_visit.argparse.Namespace(
+        url="u", n=1000, seed=0, budget_s=180, api_key=None, pid=None, server_log=None), out)
+    assert argv[argv.index("--max-seconds") + 1] == "110" and "--api-key" not in argv
+    with pytest.raises(SystemExit, match="need >= 30"):
+        soak_visit.main(["--url", server.url, "--out", str(out), "--budget-s", "90"])

@@ -12,9 +12,10 @@ the budget while the server answers /metrics; a request that never started is co
 `expected_answers` criterion fails, and the JSON says how many). Writes OUT (the soak's JSON, with "mode") and
 OUT with .md (the per-kind table). Exit code is the soak's: 0 passed, 1 a criterion failed, 2 the soak could not run.
 
-Expected size (an estimate, not yet measured): ~15 generated tokens per request on average; at the scripted full checkpoint's H200 rates
-(117 tok/s at C1, ~1,500 tok/s at C64) and this wave mix (60% of requests in C32 waves, 2% at C1), 1,000
-requests take about a minute, so --n 1000 fits a 3-minute slot with room for the first long prefill.
+Expected size (an estimate, not yet measured): ~15 generated tokens per request on average; at the scripted
+full checkpoint's H200 rates (117 tok/s at C1, ~1,500 tok/s at C64) and this wave mix (60% of requests in C32
+waves, 2% at C1), 1,000 requests take about a minute, so --n 1000 fits a 3-minute slot with room for the first
+long prefill.
 """
 
 from __future__ import annotations

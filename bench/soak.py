@@ -353,9 +353,9 @@ def _keys(request: Request, key: str | None) -> str | None:
     return {"ok": key, "wrong": f"wrong-{key}", "none": None}[request.auth]
 
 
-def _read_stream(client: serving.Client, request: Request, timeout_s: float) -> tuple[int | str, str, str]:
-    """(status, problem, stream error) of a streamed request, read to its end or, for a disconnect, dropped after
-    `events_before_drop` events (closing the generator closes the connection)."""
+def _read_stream(client: serving.Client, request: Request, timeout_s: float) -> tuple[int | str, str, str, str]:
+    """(status, problem, error event, error body) of a streamed request, read to its end or, for a disconnect,
+    dropped after `events_before_drop` events (closing the generator closes the connection)."""
     events = client.post_events(request.path, request.body, timeout_s=timeout_s)
     seen, last, error = 0, None, ""
     try:
@@ -366,15 +366,15 @@ def _read_stream(client: serving.Client, request: Request, timeout_s: float) -> 
                 error = json.dumps(data)[:2000]
             if request.mode == "disconnect" and seen >= request.events_before_drop:
                 break
-    except serving.HttpError as err:
-        return err.status, "", err.body
+    except serving.HttpError as err:  # refused before the stream started
+        return err.status, "", "", err.body
     except (OSError, ValueError) as err:
-        return NO_ANSWER, f"stream broke after {seen} events: {err}", ""
+        return NO_ANSWER, f"stream broke after {seen} events: {err}", "", ""
     finally:
         events.close()
     ended = last is not None and (last[1] == serving.SSE_DONE or last[0] == "message_stop")
     problem = "" if ended or request.mode == "disconnect" else f"stream ended without its end marker after {seen} events"
-    return 200, problem, error
+    return 200, problem, error, ""
 
 
 def _cancel(client: serving.Client, request: Request) -> tuple[int | str, str]:
@@ -393,15 +393,15 @@ def _cancel(client: serving.Client, request: Request) -> tuple[int | str, str]:
 
 def answer_problem(request: Request, text: str, max_model_len: int) -> str:
     """What is wrong with a 200 answer that the kind can check whatever the weights say ('' when nothing): the
-    forced call and the json_schema answer come from structured output (checked when they finished: one cut at
-    max_tokens, e.g. in the whitespace the grammar allows, docs/gotchas.md 25, has nothing to check), the clamped
+    forced call and the json_schema answer come from structured output (checked unless they were cut at
+    max_tokens, e.g. in the whitespace the grammar allows, docs/gotchas.md 25: nothing to check then), the clamped
     answer from the context."""
     if request.kind not in ("tool_forced", "structured", "max_tokens_over"):
         return ""
     try:
         out = json.loads(text)
         choice = out["choices"][0]
-        if request.kind in ("tool_forced", "structured") and choice["finish_reason"] != "stop":
+        if request.kind in ("tool_forced", "structured") and choice["finish_reason"] == "length":
             return ""
         if request.kind == "tool_forced":
             calls = choice["message"].get("tool_calls") or []
@@ -430,7 +430,7 @@ def send(client: serving.Client, key: str | None, request: Request, timeout_s: f
     if request.raw is not None:
         status, body = serving.probe_raw(url, request.raw.encode(), key=kind_key, timeout_s=timeout_s)
     elif request.mode in ("stream", "disconnect"):
-        status, problem, error = _read_stream(serving.Client(client.base, kind_key), request, timeout_s)
+        status, problem, error, body = _read_stream(serving.Client(client.base, kind_key), request, timeout_s)
     elif request.mode in ("cancel", "retry"):
         status, body = _cancel(serving.Client(client.base, kind_key), request)
         if request.mode == "retry" and status in (200, CANCELLED):  # the same request again, to its end

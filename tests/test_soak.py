@@ -51,7 +51,7 @@ def fake(tmp_path):
 
 
 def options(**overrides) -> soak.Options:
-    base = dict(n=120, seed=3, concurrency=(1, 4, 8), max_tokens=16, max_seconds=60, request_timeout_s=20,
+    base = dict(n=80, seed=3, concurrency=(1, 4, 8), max_tokens=16, max_seconds=60, request_timeout_s=20,
                 settle_s=3, health_every_s=0.1)
     return soak.Options(**{**base, **overrides})
 
@@ -67,7 +67,7 @@ def test_a_clean_server_passes_every_criterion(fake):
     assert result["pid"] == server.proc.pid  # found from the listening socket
     assert result["api_key_set"] and result["max_model_len"] == 512
     kinds = result["kinds"]
-    assert sum(k["count"] for k in kinds.values()) == 120 and result["not_run"] == 0
+    assert sum(k["count"] for k in kinds.values()) == 80 and result["not_run"] == 0
     # the bad kinds got their 4xx, the good ones 200, a cancel either
     assert set(kinds["wrong_key"]["statuses"]) == {"401"} and set(kinds["over_context"]["statuses"]) == {"400"}
     assert set(kinds["malformed_json"]["statuses"]) == {"400"} and set(kinds["chat_stream"]["statuses"]) == {"200"}
@@ -103,6 +103,16 @@ def test_an_engine_death_midway_is_caught_by_health_and_log(fake):
     assert not death["passed"] and result["health"]["deaths"] == 1
     assert result["log"]["death_lines"] >= 1 and "EngineDeadError" in "".join(result["log"]["deaths_first"])
     assert result["server_errors"] and not result["passed"]
+    assert not result["stream_errors"]  # a 500 before a stream starts is one server error, not a stream error too
+
+
+def test_an_error_event_inside_a_200_stream_counts_as_a_5xx(fake):
+    result = run(fake("--key", "k", "--stream-error"))
+    streamed = result["kinds"]["chat_stream"]["count"] + result["kinds"]["completion_stream"]["count"]
+    assert {e["kind"] for e in result["stream_errors"]} <= {"chat_stream", "completion_stream", "disconnect"}
+    assert len(result["stream_errors"]) >= streamed > 0 and not result["server_errors"]
+    assert all(e["status"] == 200 and "Internal server error" in e["stream_error"] for e in result["stream_errors"])
+    assert not result["criteria"]["no_5xx"]["passed"] and result["criteria"]["no_engine_death"]["passed"]
 
 
 def test_a_server_that_vanishes_is_a_death_and_no_answers(fake):

@@ -3,10 +3,11 @@
 (400 with a message, 401 without the key), streams slowly enough to be cancelled, keeps /metrics honest (seats
 in use while a request runs, KV blocks with them), and can be told to misbehave:
 
-    python -m tests.helpers.soak_server --port P [--key K] [--fail-tools] [--leak-after N] [--die-after N]
-        [--log PATH]
+    python -m tests.helpers.soak_server --port P [--key K] [--fail-tools] [--stream-error] [--leak-after N]
+        [--die-after N] [--log PATH]
 
---fail-tools answers every request with tools 500; --leak-after N keeps one seat and its blocks after the Nth
+--fail-tools answers every request with tools 500; --stream-error ends every OpenAI stream with an error event
+before [DONE], as vLLM does for an error after the first event; --leak-after N keeps one seat and its blocks after the Nth
 request; --die-after N plays an engine death after N requests (/health 503, every request 500, the death in the log).
 """
 
@@ -162,7 +163,7 @@ def make_handler(state: State):
             try:
                 out, tokens = answer(self.path, body)
                 if body.get("stream"):
-                    self._stream(out, tokens, self.path == "/v1/messages")
+                    self._stream(tokens, self.path == "/v1/messages")
                 else:
                     time.sleep(0.005 * tokens)  # a cancel after 0.05-0.5 s lands while this runs
                     send_json(self, out)
@@ -172,7 +173,7 @@ def make_handler(state: State):
                 with state.lock:
                     state.running -= 1
 
-        def _stream(self, out: dict, tokens: int, anthropic: bool) -> None:
+        def _stream(self, tokens: int, anthropic: bool) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
@@ -181,6 +182,8 @@ def make_handler(state: State):
             events += [("content_block_delta" if anthropic else None,
                         {"delta": {"text": "x"}} if anthropic else {"choices": [{"delta": {"content": "x"}}]})
                        for _ in range(tokens)]
+            if state.args.stream_error and not anthropic:
+                events.append((None, {"error": {"message": "Internal server error", "code": 500}}))
             events.append(("message_stop", {"type": "message_stop"}) if anthropic else (None, "[DONE]"))
             for name, data in events:
                 text = (f"event: {name}\n" if name else "") + f"data: {data if data == '[DONE]' else json.dumps(data)}\n\n"
@@ -197,6 +200,7 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--key")
     p.add_argument("--fail-tools", action="store_true")
+    p.add_argument("--stream-error", action="store_true")
     p.add_argument("--leak-after", type=int, default=0)
     p.add_argument("--die-after", type=int, default=0)
     p.add_argument("--log")

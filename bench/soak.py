@@ -43,6 +43,8 @@ from qwen_serving import files
 
 CANCELLED = "cancelled"  # the client gave up on purpose (a cancel): the server must drop the request
 NO_ANSWER = "no_answer"  # nothing answered: refused, reset, or a timeout the kind did not ask for
+NO_TOOL_PARSER = "no_tool_parser"  # a 400 saying the server runs without tool calling (TOOLS=0): shown, not failed
+NO_TOOL_PARSER_RE = re.compile(r"tool-call-parser|enable-auto-tool-choice")
 RSS_DRIFT_LIMIT = 0.05
 WARMUP_SHARE = 0.05  # the waves up to this share of the requests are the warm-up: RSS drift is measured after them
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -266,8 +268,8 @@ KINDS: dict[str, Kind] = {
     "chat_stream": Kind(12, OK, _streamed(_chat())),
     "completion": Kind(8, OK, _completion),
     "completion_stream": Kind(6, OK, _streamed(_completion)),
-    "tool_auto": Kind(5, OK, _chat(tools=[TOOL], tool_choice="auto")),
-    "tool_forced": Kind(6, OK, _tool_forced),
+    "tool_auto": Kind(5, frozenset({200, NO_TOOL_PARSER}), _chat(tools=[TOOL], tool_choice="auto")),
+    "tool_forced": Kind(6, frozenset({200, NO_TOOL_PARSER}), _tool_forced),
     "structured": Kind(6, OK, _structured),
     "long_prompt": Kind(2, OK, _long_prompt),
     "over_context": Kind(3, BAD, _over_context),
@@ -439,6 +441,8 @@ def send(client: serving.Client, key: str | None, request: Request, timeout_s: f
         status, body = serving.probe(url, request.body, key=kind_key, timeout_s=timeout_s)
     if status == 0:
         status, problem = NO_ANSWER, body
+    elif status == 400 and request.kind.startswith("tool_") and NO_TOOL_PARSER_RE.search(body):
+        status = NO_TOOL_PARSER
     elif status == 200 and request.mode in ("json", "retry"):
         problem = answer_problem(request, body, max_model_len)
     elif isinstance(status, int) and 400 <= status < 500 and not _has_message(body):

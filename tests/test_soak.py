@@ -88,6 +88,12 @@ def test_5xx_answers_are_caught_with_their_body(fake):
     assert criteria["no_engine_death"]["passed"] and criteria["no_leaked_seats"]["passed"]
 
 
+def test_a_server_without_tool_calling_is_named_not_failed(fake):
+    result = run(fake("--key", "k", "--no-tools"))
+    assert result["passed"], json.dumps(result["criteria"], indent=1)
+    assert set(result["kinds"]["tool_forced"]["statuses"]) == {"no_tool_parser"}
+
+
 def test_a_leaked_seat_and_its_blocks_are_caught(fake):
     result = run(fake("--key", "k", "--leak-after", "30"))
     assert result["seats"] == {"before": 0, "after": 1}

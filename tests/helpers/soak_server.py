@@ -3,9 +3,10 @@
 (400 with a message, 401 without the key), streams slowly enough to be cancelled, keeps /metrics honest (seats
 in use while a request runs, KV blocks with them), and can be told to misbehave:
 
-    python -m tests.helpers.soak_server --port P [--key K] [--fail-tools] [--stream-error] [--leak-after N]
-        [--die-after N] [--log PATH]
+    python -m tests.helpers.soak_server --port P [--key K] [--no-tools] [--fail-tools] [--stream-error]
+        [--leak-after N] [--die-after N] [--log PATH]
 
+--no-tools answers requests with tools as vLLM 0.28.0 does without --tool-call-parser (400);
 --fail-tools answers every request with tools 500; --stream-error ends every OpenAI stream with an error event
 before [DONE], as vLLM does for an error after the first event; --leak-after N keeps one seat and its blocks after the Nth
 request; --die-after N plays an engine death after N requests (/health 503, every request 500, the death in the log).
@@ -156,6 +157,9 @@ def make_handler(state: State):
             problem = validate(self.path, body)
             if problem:
                 return send_json(self, problem[1], problem[0])
+            if state.args.no_tools and body.get("tools"):
+                status, error = _error('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser')
+                return send_json(self, error, status)
             if state.args.fail_tools and body.get("tools"):
                 return send_json(self, {"error": {"message": "Traceback: KeyError 'tools'"}}, 500)
             with state.lock:
@@ -199,6 +203,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--key")
+    p.add_argument("--no-tools", action="store_true")
     p.add_argument("--fail-tools", action="store_true")
     p.add_argument("--stream-error", action="store_true")
     p.add_argument("--leak-after", type=int, default=0)

@@ -315,3 +315,13 @@ def test_no_readme_advises_extra_args_for_tp():
         text = (REPO / doc).read_text()
         assert "EXTRA_ARGS=\"--tensor-parallel-size" not in text and "`--tensor-parallel-size 2`)" not in text, doc
     assert vllm_028.VERSION == "0.28.0"
+
+
+def test_the_per_card_table_in_docs_memory_is_the_models():
+    text = (REPO / "docs" / "memory.md").read_text()
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:5]]
+            for line in text.split("## Under TP", 1)[1].splitlines() if line.startswith("| ") and "TP=1" not in line}
+    for tp, kv, state, weights in zip((1, 2, 4), *rows.values(), strict=True):
+        assert kv == f"{memory.kv_bytes_per_token_layer('auto', kv_heads=model.KV_HEADS // tp) // 1024} KiB"
+        assert state == f"{memory.gdn_state_bytes_per_layer('float16', 0, tp=tp) / MiB:.2f} MiB"
+        assert weights == f"{memory.weights_bytes('mtp', fast_variant=False, tp=tp) / GiB:.2f} GiB"

@@ -76,6 +76,13 @@ def padded_vocab(rows: int) -> int:
     return -(-rows // VOCAB_PADDING) * VOCAB_PADDING
 
 
+def head_splits(rows: int, tp: int) -> bool:
+    """A quantized vocab-parallel head of `rows` rows (lm_head, the MTP draft head) meets Marlin's tile on each of
+    `tp` cards."""
+    padded = padded_vocab(rows)
+    return padded % tp == 0 and padded // tp % MARLIN_MIN_N == 0
+
+
 # (what is split, how many, the multiple each card's share must be)
 TP_SPLITS: tuple[tuple[str, int, int], ...] = (
     ("full-attention KV heads", KV_HEADS, 1),

@@ -332,7 +332,7 @@ def _draft_head(v: Values, served: str, probe: Probe, settings: Mapping[str, Set
     ids = _in_repo(probe, v.draft_ids)
     in_model = _draft_head_rows(_in_repo(probe, served))
     rows = len(_id_list(ids)) if in_model is None and ids.is_file() else in_model
-    if rows and not _head_splits(rows, v.tp):
+    if rows and not model_dims.head_splits(rows, v.tp):
         tile = model_dims.MARLIN_MIN_N * v.tp
         why = (f"TP={v.tp} gives the draft head's {rows:,} rows {model_dims.padded_vocab(rows) // v.tp:,} per card; Marlin "
                f"needs a multiple of {model_dims.MARLIN_MIN_N}, and vLLM {vllm_028.VERSION} has no other kernel for an "
@@ -390,12 +390,6 @@ def _id_list(path: Path) -> list:
         return []
     ids = data.get("ids") if isinstance(data, dict) else data
     return ids if isinstance(ids, list) else []
-
-
-def _head_splits(rows: int, tp: int) -> bool:
-    """A quantized vocab-parallel head of `rows` rows meets Marlin's tile on each of `tp` cards."""
-    padded = model_dims.padded_vocab(rows)
-    return padded % tp == 0 and padded // tp % model_dims.MARLIN_MIN_N == 0
 
 
 def _check(v: Values, probe: Probe, key: str, require_files: bool, notes: list[str]) -> list[str]:

@@ -160,7 +160,7 @@ def test_the_40000_row_draft_head_misses_marlins_tile_under_tp():
             ok = True
         except ValueError:
             ok = False
-        assert ok is fits is plan._head_splits(rows, tp), (rows, tp)
+        assert ok is fits is model.head_splits(rows, tp), (rows, tp)
 
 
 # ---- the plan under TP: both modes, every CTX/SPEC pairing, through vLLM's own parser ----
@@ -184,9 +184,9 @@ def test_every_mode_and_pairing_plans_under_tp(tp, mode, env, probe, vllm_cli):
     assert tuple(without) == one.argv and split.env == one.env  # TP changes the argv by its flag alone
     derived = {d.name: d for d in split.derived}
     assert derived["cards"].value == int(tp) and "weights on GPU" not in derived
-    assert derived["weights per card"].value == plan._gib(memory.weights_bytes(
-        split.value("SPEC") if mode == "single" else "off", fast_variant=False, vision=bool(split.value("VISION")),
-        tp=int(tp)))
+    weights = memory.weights_bytes(split.value("SPEC") if mode == "single" else "off", fast_variant=False,
+                                   vision=bool(split.value("VISION")), tp=int(tp))
+    assert derived["weights per card"].value == f"{weights / GiB:.2f} GiB"
     if split.cache:
         assert split.cache.tp == int(tp) and derived["state page per resident"].value.endswith(" per card")
 

@@ -337,7 +337,7 @@ def _draft_head(v: Values, served: str, probe: Probe, settings: Mapping[str, Set
         why = (f"TP={v.tp} gives the draft head's {rows:,} rows {model_dims.padded_vocab(rows) // v.tp:,} per card; Marlin "
                f"needs a multiple of {model_dims.MARLIN_MIN_N}, and vLLM {vllm_028.VERSION} has no other kernel for an "
                "int8 head with bf16 activations (an int4 one would fall to the unmeasured Triton W4A16 kernel)")
-        fix = f"build the head from a multiple of {tile} ids (prepare/build_draft_vocab.py --k {max(tile, rows // tile * tile)})"
+        fix = f"build the head from a multiple of {tile} ids ({CALIBRATE} --k {max(tile, rows // tile * tile)})"
         if "MTP_DRAFT_VOCAB" in v.explicit:
             _refuse(f"MTP_DRAFT_VOCAB=1: {why}; {fix}, or unset MTP_DRAFT_VOCAB to draft over the full lm_head")
         notes.append(f"MTP_DRAFT_VOCAB=0 because {why}: MTP drafts over the full lm_head; {fix}")

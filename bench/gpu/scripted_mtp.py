@@ -79,6 +79,7 @@ PROFILE_TOKENS = 48
 PROFILE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "user_annotation", "gpu_user_annotation",
                                 "cuda_runtime", "cuda_driver"})
 REFERENCE_CHECK_TOKENS = 64  # the float32 reference along the first greedy prompt and its chain
+PREDICT_GRACE_S = 60  # after the first wave is up, how long measuring waits for the prediction
 # what each server measures beyond greedy, sampled (speculating servers) and c1
 # (stock's greedy-draft rule is the CPU test's; the GPU run samples MTP off and the product's probabilistic drafts)
 EXTRA_PARTS = {"scripted-stock": ("chisq", "prefix", "profile"), "scripted-stock-mtp4": ("profile",),
@@ -196,10 +197,9 @@ def chisq_prompts(design) -> list[list[int]]:
 def chisq_rows(ckpt: Path, samples_path: Path, device: str) -> list[list[dict[int, float]]]:
     """The exact distribution before every sampled token of a chi-square run (the --chisq-rows child)."""
     from qwen_serving.checkpoint import scripted_reference as sr
-    from qwen_serving.checkpoint.scripted import Design
 
-    samples = json.loads(samples_path.read_text())
-    return sc.position_rows(sr.Reference(ckpt, device), chisq_prompts(Design.read(ckpt)), samples)
+    run = json.loads(samples_path.read_text())
+    return sc.position_rows(sr.Reference(ckpt, device), run["prompts"], run["samples"])
 
 
 def reference_check(ref, design) -> dict:
@@ -483,6 +483,7 @@ class Record:
 
     def __init__(self, path: Path, data: dict):
         self.path, self.data = path, data
+        self.t0 = time.monotonic()
         self.traces: dict[str, list[smoke_lib.GreedyTrace]] = {}  # greedy answers by server (own files: ~3 MB each)
         self.samples: dict[str, list[list[int]]] = {}  # chi-square samples by server (own files)
         self.rows: dict[str, list[list[dict[int, float]]]] = {}  # the reference before each sampled token
@@ -491,9 +492,10 @@ class Record:
         self.traces[name] = [smoke_lib.GreedyTrace.from_record(r) for r in records]
         serving.write_json_atomic(self.path.with_name(f"{name}-greedy.json"), records)
 
-    def keep_samples(self, name: str, samples: list[list[int]]) -> None:
+    def keep_samples(self, name: str, prompts: list[list[int]], samples: list[list[int]]) -> None:
         self.samples[name] = samples
-        serving.write_json_atomic(self.path.with_name(f"{name}-chisq-samples.json"), samples)
+        serving.write_json_atomic(self.path.with_name(f"{name}-chisq-samples.json"),
+                                  {"prompts": prompts, "samples": samples})
 
     def save(self) -> None:
         serving.write_json_atomic(self.path, self.data)
@@ -685,6 +687,26 @@ def wave_tools(servers: Mapping[str, run_full.Server], rec: Record, out: Path, e
         log(f"{part}: rc {tools[part]['rc']}")
 
 
+def take_prediction(rec: Record, predictor: subprocess.Popen, path: Path, wait_s: float = 0.0) -> None:
+    """The prediction into the report once the child has written it (waiting up to wait_s); an exit without it
+    is an error."""
+    if rec.data.get("prediction") is not None:
+        return
+    try:
+        predictor.wait(timeout=max(wait_s, 0.01))
+    except subprocess.TimeoutExpired:
+        return
+    if path.exists():
+        rec.data["prediction"] = json.loads(path.read_text())
+        rec.data["phases_s"]["prediction ready"] = round(time.monotonic() - rec.t0, 1)
+        log("prediction: " + json.dumps(rec.data["prediction"]["acceptance_per_position"]))
+        log("reference: " + json.dumps({k: v for k, v in rec.data["prediction"]["reference_check"].items()
+                                        if k != "top"}))
+    else:
+        rec.data["errors"]["prediction"] = f"exit {predictor.returncode} (see prediction.log)"
+    rec.save()
+
+
 def chisq_reference(rec: Record, out: Path, env: Mapping[str, str], args: argparse.Namespace,
                     left: Callable[[float], float]) -> None:
     """The --chisq-rows child for each server's samples, within its limit; the rows kept for the checks."""
@@ -761,25 +783,14 @@ def run(args: argparse.Namespace) -> int:
                     continue
             t_boot = time.monotonic()
             boot(servers, rec, out, left(LIMITS["boot"]))
-            if index == 0:
-                try:
-                    predictor.wait(timeout=left(LIMITS["predict"]) or 1)
-                except subprocess.TimeoutExpired:
-                    predictor.kill()
-                    predictor.wait(timeout=30)
-                if predict_out.exists():
-                    rec.data["prediction"] = json.loads(predict_out.read_text())
-                    log("prediction: " + json.dumps(rec.data["prediction"]["acceptance_per_position"]))
-                    log("reference: " + json.dumps({k: v for k, v in rec.data["prediction"]["reference_check"].items()
-                                                    if k != "top"}))
-                else:
-                    rec.data["errors"]["prediction"] = f"exit {predictor.returncode} (see prediction.log)"
-                rec.phase("prediction", time.monotonic() - t_boot)
+            if index == 0:  # measuring starts now; the prediction joins the report when it is written
+                take_prediction(rec, predictor, predict_out, wait_s=min(PREDICT_GRACE_S, left(LIMITS["predict"])))
             boot_s = time.monotonic() - t_boot
             rec.phase(f"boot wave {index}", boot_s)
             for s in servers:
                 if s.state == "up":
                     measure_one(s, rec, prompts, sampling, left, out, sweep=index > 0)
+                take_prediction(rec, predictor, predict_out)
                 finish(rec, design, prompts.greedy)
             # the tools only where the patched sweep still fits after them
             sweep_need = boot_s + len(all_waves[1]) * SWEEP_SERVER_S if len(all_waves) > 1 else 0
@@ -791,12 +802,14 @@ def run(args: argparse.Namespace) -> int:
             for s in servers:
                 s.stop()
                 rec.data["servers"][s.cfg.name]["log_tail"] = s.log_tail(40)
-            if index == 0:  # the GPU is free: the reference before every chi-square sample's token
+            if index == 0:  # the GPU is free: the prediction's end, the reference before every chi-square token
+                take_prediction(rec, predictor, predict_out, wait_s=left(LIMITS["predict"]))
                 chisq_reference(rec, out, env, args, left)
                 finish(rec, design, prompts.greedy)
     finally:
         if predictor.poll() is None:
             predictor.kill()
+            rec.data["errors"]["prediction"] = "killed unfinished at the end of the run (see prediction.log)"
         for servers in all_waves:
             for s in servers:
                 s.stop()
@@ -888,7 +901,7 @@ def measure_one(server: run_full.Server, rec: Record, prompts: Prompts, sampling
             if part == "greedy":
                 rec.keep_traces(name, m[part].pop("traces"))
             elif part == "chisq":
-                rec.keep_samples(name, m[part].pop("samples"))
+                rec.keep_samples(name, prompts.chisq, m[part].pop("samples"))
         except Exception as err:  # a failed part is recorded; the other parts and servers still run
             rec.data["errors"][f"{name}: {part}"] = f"{type(err).__name__}: {str(err)[:1500]}"
         rec.phase(f"{name}: {part}", time.monotonic() - t0)

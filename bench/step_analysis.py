@@ -37,7 +37,8 @@ _RULES = (  # first match wins; lower-case substrings of the kernel name
     ("marlin_gemm", ("marlin", "machete")),
     ("gdn", ("gated_delta", "gdn", "recurrent", "conv1d", "solve_tril", "l2norm", "chunk_", "delta_rule",
              "recompute_w_u", "kkt")),
-    ("attention", ("flash", "fmha", "attn", "attention", "reshape_and_cache", "rotary", "rope", "paged")),
+    ("attention", ("flash", "fmha", "attn", "attention", "reshape_and_cache", "rotary", "rope", "paged",
+                   "split_kv", "merge_splits")),  # the last two: our split-KV verify attention (spec-decode-attn)
     ("dense_gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
     ("sampling", ("sampl", "topk", "top_k", "top_p", "argmax", "argsort", "multinomial", "exponential",
                   "softmax", "penalt", "cumsum", "radix", "sort")),

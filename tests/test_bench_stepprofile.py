@@ -38,6 +38,8 @@ def trace() -> dict:
     ("void flash::flash_fwd_splitkv_kernel<...>", "attention"),
     ("void vllm::reshape_and_cache_flash_kernel<...>", "attention"),
     ("triton_poi_fused_rotary_emb_3", "attention"),
+    ("split_kv_kernel", "attention"),  # our split-KV verify attention (qwen_serving/engine/kernels/spec_attn.py)
+    ("_merge_splits_kernel", "attention"),
     ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "dense_gemm"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32", "dense_gemm"),
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm_act"),

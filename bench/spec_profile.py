@@ -1,0 +1,268 @@
+"""Where a speculative (MTP) step's time goes, side by side for several torch-profiler traces of vLLM 0.28.0:
+
+    python -m bench.spec_profile TRACE... --out OUT.json [--png OUT.png] [--run-json RUN.json] [--meta KEY=VALUE]
+
+vLLM 0.28.0 marks only the whole step (`execute_context_X(Y)_generation_Z(W)`, one annotation per V1
+runner step): it emits no annotation around the verify forward, the sampler or the drafter. The phases
+are therefore read off the kernel sequence of each step (bench.step_analysis.categorize names the kernels):
+- the target's body is the only user of Marlin GEMMs (the MTP layer and the lm_head run bf16 GEMMs);
+  its forward starts at the first kernel of the CUDA graph that holds the first Marlin GEMM (the fused
+  embedding + norm) and ends before its lm_head;
+- a logits GEMM (lm_head) is a GEMM followed by a sampling kernel (top-k, sort, softmax, argmax,
+  exponential, rejection) before any other GEMM: the first one after the last Marlin GEMM is the target's,
+  each later one closes one draft (MTP) pass;
+- each head's sampling runs from the head to the last sampling kernel before the next GEMM (for the target
+  head: its top-k/top-p, softmax and the rejection sampler; for a draft head: the draft's sampling);
+- a draft pass's body starts at the first CUDA-graph kernel after the previous sampling (vLLM runs the MTP
+  layer in piecewise graphs; without graphs, at its first GEMM) and ends before its head;
+- everything else after the forward starts is bookkeeping (state copies, drafter input preparation, slot
+  mapping, the device-to-host copies of the tokens); kernels before it prepare the step's inputs.
+A step whose head count is not 1 + k (k = its scheduled tokens per request - 1) is refused, so a trace whose
+kernels do not fit these rules gives an error, not a wrong split.
+
+Per phase: kernel_ms (GPU time of its kernels) and wall_ms (from each of its kernels' start to the next
+kernel's start: kernel time plus the GPU idle that follows it); host_gap_ms is the idle before the step's
+first and after its last kernel. Under the profiler the host runs slower (kernel durations hold, idle grows),
+so each config also carries the step time measured without the profiler when --run-json gives it, and
+unexplained_ms = that step time - the kernel time of a profiled step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import step_analysis as sp
+
+PHASES = ("prepare", "verify_forward", "verify_lm_head", "verify_sampling", "draft_forward", "draft_lm_head",
+          "draft_sampling", "bookkeeping")
+
+
+@dataclass(frozen=True)
+class GpuOp:
+    name: str
+    start_us: float
+    dur_us: float
+    graph: int  # CUDA graph id (0: launched outside a graph)
+
+    @property
+    def category(self) -> str:
+        return sp.categorize(self.name)
+
+    @property
+    def is_gemm(self) -> bool:
+        return self.category in sp.GEMM_CATEGORIES
+
+
+def gpu_ops(trace: dict) -> list[GpuOp]:
+    """GPU kernels, memcpys and memsets of a Chrome trace, by start time, with their CUDA graph ids."""
+    ops = [GpuOp(ev["name"], float(ev["ts"]), float(ev.get("dur", 0.0)), int((ev.get("args") or {}).get("graph id", 0)))
+           for ev in trace.get("traceEvents", [])
+           if ev.get("ph") == "X" and ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return sorted(ops, key=lambda k: k.start_us)
+
+
+def _heads(ops: list[GpuOp], after: int) -> list[tuple[int, int]]:
+    """(head index, index of the last sampling kernel of its sampling) for every logits GEMM after `after`."""
+    gemms = [i for i in range(after + 1, len(ops)) if ops[i].is_gemm]
+    out = []
+    for g, nxt in zip(gemms, [*gemms[1:], len(ops)], strict=True):
+        sampling = [i for i in range(g + 1, nxt) if ops[i].category == "sampling"]
+        if sampling:
+            out.append((g, sampling[-1]))
+    return out
+
+
+def split_step(ops: list[GpuOp], k: int) -> dict:
+    """Phase labels of one step's GPU ops (sorted by start), for a step that verifies k drafts (k=0: a
+    plain decode step). Returns {"labels": [phase per op], "drafts": [[body, head, sampling] index
+    ranges per draft]}. Raises ValueError when the kernels do not show 1 + k logits GEMMs after the target."""
+    marlin = [i for i, op in enumerate(ops) if op.category == "marlin_gemm"]
+    if not marlin:
+        raise ValueError("no Marlin GEMM in the step: the target's forward cannot be told from the drafter's")
+    first = marlin[0]
+    start = first
+    if ops[first].graph:
+        while start > 0 and ops[start - 1].graph == ops[first].graph:
+            start -= 1
+    heads = _heads(ops, marlin[-1])
+    if len(heads) != 1 + k:
+        raise ValueError(f"expected {1 + k} logits GEMMs (target + {k} drafts) after the last Marlin GEMM, "
+                         f"found {len(heads)}: the kernel sequence does not fit the phase rules")
+    labels = ["prepare"] * start + ["bookkeeping"] * (len(ops) - start)
+    target_head, target_sampled = heads[0]
+    labels[start:target_head] = ["verify_forward"] * (target_head - start)
+    labels[target_head] = "verify_lm_head"
+    labels[target_head + 1:target_sampled + 1] = ["verify_sampling"] * (target_sampled - target_head)
+    drafts, prev_sampled = [], target_sampled
+    for head, sampled in heads[1:]:
+        first_gemm = next(i for i in range(prev_sampled + 1, head + 1) if ops[i].is_gemm)
+        body = next((i for i in range(prev_sampled + 1, first_gemm + 1) if ops[i].graph), first_gemm)
+        labels[body:head] = ["draft_forward"] * (head - body)
+        labels[head] = "draft_lm_head"
+        labels[head + 1:sampled + 1] = ["draft_sampling"] * (sampled - head)
+        drafts.append({"forward": (body, head), "lm_head": (head, head + 1), "sampling": (head + 1, sampled + 1)})
+        prev_sampled = sampled
+    return {"labels": labels, "drafts": drafts}
+
+
+def _by_category(ops: list[GpuOp]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for op in ops:
+        out[op.category] = out.get(op.category, 0.0) + op.dur_us / 1000.0
+    return out
+
+
+def step_phases(ops: list[GpuOp], start_us: float, end_us: float, k: int) -> dict:
+    """Milliseconds per phase of the step [start_us, end_us): kernel and wall time, host gap, period, and
+    per draft its forward, lm_head and sampling kernel time."""
+    mine = [op for op in ops if start_us <= op.start_us < end_us]
+    if not mine:
+        raise ValueError(f"no GPU work in the step at {start_us:.0f} us")
+    split = split_step(mine, k)
+    kernel = dict.fromkeys(PHASES, 0.0)
+    wall = dict.fromkeys(PHASES, 0.0)
+    nexts = [op.start_us for op in mine[1:]] + [min(max(op.start_us + op.dur_us for op in mine), end_us)]
+    for op, label, nxt in zip(mine, split["labels"], nexts, strict=True):
+        kernel[label] += op.dur_us / 1000.0
+        wall[label] += (nxt - op.start_us) / 1000.0
+    period = (end_us - start_us) / 1000.0
+    drafts = [{part: sum(op.dur_us for op in mine[a:b]) / 1000.0 for part, (a, b) in d.items()}
+              for d in split["drafts"]]
+    verify = [op for op, label in zip(mine, split["labels"], strict=True) if label == "verify_forward"]
+    draft_fwd = [op for op, label in zip(mine, split["labels"], strict=True) if label == "draft_forward"]
+    return {"period_ms": period, "kernel_ms": kernel, "wall_ms": wall, "busy_ms": sum(kernel.values()),
+            "host_gap_ms": period - sum(wall.values()), "drafts": drafts,
+            "verify_forward_by_category": _by_category(verify), "draft_forward_by_category": _by_category(draft_fwd)}
+
+
+def _mean(dicts: list[dict]) -> dict:
+    out = {}
+    for key, value in dicts[0].items():
+        if isinstance(value, dict):
+            keys = sorted({k for d in dicts for k in d[key]})
+            out[key] = {k: sum(d[key].get(k, 0.0) for d in dicts) / len(dicts) for k in keys}
+        elif isinstance(value, list):
+            out[key] = [_mean([d[key][i] for d in dicts]) for i in range(len(value))]
+        else:
+            out[key] = sum(d[key] for d in dicts) / len(dicts)
+    return out
+
+
+def profile_trace(trace: dict, batch: int = 1, skip: int = 2, top: int = 20) -> dict:
+    """Mean phase split over the steady steps of `batch` decoding requests (the first `skip` dropped), the
+    top kernels and host API calls of those steps. k comes from the steps' scheduled tokens per request."""
+    _, marks = sp.trace_events(trace)
+    windows = sp.decode_steps(marks, batch)[skip:]
+    if not windows:
+        raise ValueError(f"no decode steps with {batch} requests in the trace")
+    by_start = {m.start_us: m for m in marks}
+    ks = {by_start[a].gen_tokens // by_start[a].gen_requests - 1 for a, _ in windows}
+    if len(ks) != 1:
+        raise ValueError(f"the steady steps verify different draft counts {sorted(ks)}")
+    k = ks.pop()
+    ops = gpu_ops(trace)
+    steps = []
+    for i, (a, b) in enumerate(windows):
+        try:
+            steps.append(step_phases(ops, a, b, k))
+        except ValueError as e:
+            raise ValueError(f"step {i + skip} (at {a:.0f} us): {e}") from e
+    mean = _mean(steps)
+    return {"k": k, "steps": len(steps), **mean, "kernel_table": sp.kernel_table(trace, batch, skip, top),
+            "host_api": sp.host_api_table(trace, batch, skip)}
+
+
+def trace_name(path: Path) -> str:
+    return path.name.removesuffix(".gz").removesuffix(".json").removesuffix(".trace")
+
+
+def measured_ms(run: dict, name: str) -> float | None:
+    """The C1 step time a scripted-mtp run JSON measured without the profiler for server `name`."""
+    return (((run.get("measurements") or {}).get(name) or {}).get("c1") or {}).get("ms_per_step")
+
+
+def build_report(paths: list[Path], run: dict | None, meta: dict, batch: int, skip: int) -> dict:
+    configs = []
+    for path in paths:
+        prof = profile_trace(sp.read_trace(path), batch, skip)
+        name = trace_name(path)
+        ms = measured_ms(run or {}, name)
+        prof = {"name": name, "trace": path.name, "measured_ms_per_step": ms,
+                "unexplained_ms": ms - prof["busy_ms"] if ms is not None else None, **prof}
+        if run:
+            prof["server"] = (run.get("servers") or {}).get(name, {}).get("what")
+            prof["spec"] = (((run.get("measurements") or {}).get(name) or {}).get("c1") or {}).get("spec")
+        configs.append(prof)
+    report = {"schema": "qwen-serving spec-profile/1", **meta, "batch": batch, "skip": skip, "phases": list(PHASES),
+              "configs": configs}
+    if run:
+        report["patches"] = (run.get("patches") or {}).get("series")
+    return report
+
+
+def write_png(report: dict, path: Path) -> bool:
+    """Stacked bars of kernel ms per phase (+ the idle rest of the profiled step); False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("spec_profile: matplotlib is not installed here, no PNG written", file=sys.stderr)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [c["name"] for c in report["configs"]]
+    fig, ax = plt.subplots(figsize=(1.8 * len(names) + 3, 5))
+    bottom = [0.0] * len(names)
+    for phase in (*PHASES, "idle"):
+        values = [c["period_ms"] - c["busy_ms"] if phase == "idle" else c["kernel_ms"][phase] for c in report["configs"]]
+        ax.bar(names, values, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_ylabel("ms per step (profiled)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("traces", nargs="+", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--png", type=Path)
+    ap.add_argument("--run-json", type=Path, help="a bench/gpu/scripted_mtp.py run JSON: step times, patches")
+    ap.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE", help="written at the top level")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--skip", type=int, default=2, help="steady steps to drop first (warm-up)")
+    args = ap.parse_args(argv)
+    bad = [m for m in args.meta if "=" not in m]
+    if bad:
+        ap.error(f"--meta takes KEY=VALUE, got {bad[0]!r}")
+    meta = dict(m.split("=", 1) for m in args.meta)
+    run = json.loads(args.run_json.read_text()) if args.run_json else None
+    try:
+        report = build_report(args.traces, run, meta, args.batch, args.skip)
+    except (ValueError, OSError) as e:
+        print(f"spec_profile: {e}", file=sys.stderr)
+        return 1
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(tmp, args.out)
+    if args.png:
+        write_png(report, args.png)
+    for c in report["configs"]:
+        k = c["kernel_ms"]
+        print(f"{c['name']}: k={c['k']} steps={c['steps']} profiled {c['period_ms']:.2f} ms, kernels {c['busy_ms']:.2f} ms, "
+              f"measured {c['measured_ms_per_step'] or float('nan'):.2f} ms | "
+              + " ".join(f"{p}={k[p]:.2f}" for p in PHASES))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,7 +18,8 @@ are therefore read off the kernel sequence of each step (bench.step_analysis.cat
 - everything else after the forward starts is bookkeeping (state copies, drafter input preparation, slot
   mapping, the device-to-host copies of the tokens); kernels before it prepare the step's inputs.
 A step whose head count is not 1 + k (k = its scheduled tokens per request - 1) is refused, so a trace whose
-kernels do not fit these rules gives an error, not a wrong split.
+kernels do not fit these rules gives an error, not a wrong split (a drafter whose GEMMs are Marlin too, as an
+int8 MTP layer's would be, is such a trace: the rules then need the drafter's GEMM kernel told apart).
 
 Per phase: kernel_ms (GPU time of its kernels) and wall_ms (from each of its kernels' start to the next
 kernel's start: kernel time plus the GPU idle that follows it); host_gap_ms is the idle before the step's

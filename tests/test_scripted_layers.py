@@ -135,3 +135,28 @@ def test_a_full_scale_branch_is_found_where_it_is(cpu_run):
     assert summary["linears_off"] == [scaled_row["module"]]
     assert summary["first_parted_layer"]["layer"] == 1
     assert summary["largest_branch_ratio"][:2] == [1, "mlp"] or summary["largest_branch_ratio"][:2] == (1, "mlp")
+
+
+def test_the_scripts_main_on_the_cpu_model(tiny, tmp_path):
+    """main() end to end with vllm.LLM replaced by the CPU-built model (tests/helpers/scripted_layers_cpu.py):
+    the engine arguments, every phase in OUT.json, and a verdict of agreement on a forward that agrees."""
+    out, record = tmp_path / "layers.json", tmp_path / "llm.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
+           "OMP_NUM_THREADS": "1", "QS_CPU_LLM_RECORD": str(record)}
+    script = REPO / "tests" / "helpers" / "scripted_layers_cpu.py"
+    proc = subprocess.run([sys.executable, str(script), "--main", str(tiny), "--out", str(out), "--tokens", "12",
+                           "--budget-s", "600"], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "summary" in proc.stdout
+    llm = json.loads(record.read_text())
+    assert llm["kwargs"]["enforce_eager"] and llm["kwargs"]["gdn_prefill_backend"] == "triton"
+    assert llm["env"] == sl.ENGINE_ENV
+    report = json.loads(out.read_text())
+    assert set(report["phases_s"]) == {"boot", "linears", "engine", "layers", "logits"}
+    assert report["skipped"] == [] and report["errors"] == {}
+    summary = report["summary"]
+    assert summary["linears_off"] == [] and summary["linears_checked"] > 2
+    assert summary["first_parted_layer"] is None and summary["eager_answer_is_chain"]
+    assert summary["logits"]["argmax_agrees"] == summary["logits"]["positions"] == 12
+    assert summary["logits"]["reference_argmax_is_chain"] == 12
+    assert report["logits"]["rel_err"] < 1e-4

@@ -299,6 +299,63 @@ def _write(path: Path, report: dict) -> None:
     tmp.replace(path)
 
 
+class Run:
+    """One run's report, budget and phase bookkeeping; OUT.json is rewritten after every phase."""
+
+    def __init__(self, out: Path, budget_s: float, report: dict):
+        self.out, self.budget_s, self.report = out, budget_s, report
+        self.start = time.monotonic()
+        out.parent.mkdir(parents=True, exist_ok=True)
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.start)
+
+    def done(self, name: str, began: float) -> None:
+        self.report["phases_s"][name] = round(time.monotonic() - began, 1)
+        _write(self.out, self.report)
+        print(f"[{time.monotonic() - self.start:6.1f} s] {name} done", flush=True)
+
+
+def check_linears(run: Run, model, ref, ids: list[int], layers: int, device, dtype) -> tuple[int, float]:
+    """Phase 1 into run.report; returns (decoder weights the reference dequantized, seconds that took)."""
+    report = run.report
+    packed = getattr(model, "packed_modules_mapping", {})
+    stop = time.monotonic() + LINEAR_SHARE * run.left()  # the rest for the engine and reference forwards
+    dequantized, dequant_s = 0, 0.0
+    report["linears"] = []
+    try:
+        report["linears"].append(check_embedding(model, ref, ids, device))
+        report["linears"].append(check_lm_head(model, ref.w, dtype, device))
+        for name, module in decoder_linears(model, layers):
+            if time.monotonic() > stop:
+                report["skipped"].append(f"linears from {name}")
+                break
+            began = time.monotonic()
+            report["linears"].append(check_linear(name, module, ref.w, packed, dtype, device))
+            dequant_s += time.monotonic() - began
+            dequantized += sum(c["shape"][0] * c["shape"][1] for c in report["linears"][-1]["components"])
+    except Exception as exc:  # noqa: BLE001 - recorded: the later phases still say where the forward parts
+        report["errors"]["linears"] = repr(exc)
+    report["siblings"] = sibling_ratios(report["linears"])
+    return dequantized, dequant_s
+
+
+def run_engine(llm, model, ids: list[int], chain: list[int]) -> tuple[dict, dict]:
+    """Phase 2: the hooked greedy prefill (and 8 eager tokens); (report entry, captured states)."""
+    import vllm
+
+    capture = LayerCapture(model, len(ids))
+    try:
+        answer = llm.generate([{"prompt_token_ids": ids}],
+                              vllm.SamplingParams(max_tokens=len(chain), temperature=0.0, logprobs=5, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0]
+    finally:
+        capture.remove()
+    first = (answer.logprobs or [{}])[0]
+    return ({"answer": list(answer.token_ids), "chain": chain, "captured": len(capture.got),
+             "first_logprobs": {str(k): round(v.logprob, 3) for k, v in first.items()}}, capture.got)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/gpu/scripted_layers.py", description=__doc__.split("\n")[0])
     parser.add_argument("model_dir", type=Path)
@@ -311,9 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (args.model_dir / "scripted.json").exists():
         parser.error(f"{args.model_dir} is not a scripted checkpoint (no scripted.json)")
-    start = time.monotonic()
-    left = lambda: args.budget_s - (time.monotonic() - start)  # noqa: E731
     os.environ.update(ENGINE_ENV)
+    import vllm
+    from vllm.config import set_current_vllm_config
 
     from qwen_serving.checkpoint.scripted import Design
     from qwen_serving.checkpoint.scripted_reference import Reference
@@ -321,84 +378,54 @@ def main(argv: list[str] | None = None) -> int:
     design = Design.read(args.model_dir)
     ids = design.walk(design.active[len(design.active) // 3], args.tokens - 1)
     report = {"schema": SCHEMA, "model_dir": str(args.model_dir), "env": ENGINE_ENV, "ids": ids,
-              "chain_next": [design.next_in_chain(t) for t in ids], "phases_s": {}, "skipped": [], "errors": {}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+              "chain_next": [design.next_in_chain(t) for t in ids], "phases_s": {}, "skipped": [], "errors": {},
+              "versions": {"vllm": vllm.__version__, "torch": torch.__version__}}
+    run = Run(args.out, args.budget_s, report)
 
-    def phase(name: str, started: float) -> None:
-        report["phases_s"][name] = round(time.monotonic() - started, 1)
-        _write(args.out, report)
-        print(f"[{time.monotonic() - start:6.1f} s] {name} done", flush=True)
-
-    import vllm
-
-    report["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
-    t = time.monotonic()
+    began = time.monotonic()
     llm = vllm.LLM(model=str(args.model_dir), enforce_eager=True, max_model_len=512, max_num_seqs=4,
                    enable_prefix_caching=False, language_model_only=True, gdn_prefill_backend="triton",
                    gpu_memory_utilization=args.gpu_memory_utilization, seed=0)
     model = llm.apply_model(lambda m: m)[0]  # in-process engine core: the model object itself
-    device = next(model.parameters()).device
-    dtype = llm.llm_engine.vllm_config.model_config.dtype
-    phase("boot", t)
+    embedding = _module(model, "embed_tokens").weight
+    device, dtype = embedding.device, embedding.dtype  # the activations' dtype
+    run.done("boot", began)
     ref = Reference(args.model_dir, device=device)
-    packed = getattr(model, "packed_modules_mapping", {})
 
-    t = time.monotonic()
-    report["linears"] = []
-    stop_linears = time.monotonic() + LINEAR_SHARE * left()  # the rest for the engine and reference forwards
-    dequantized, dequant_s = 0, 0.0  # decoder weights the reference dequantized, and how long that took
-    try:
-        report["linears"].append(check_embedding(model, ref, ids, device))
-        report["linears"].append(check_lm_head(model, ref.w, dtype, device))
-        for name, module in decoder_linears(model, args.layers):
-            if time.monotonic() > stop_linears:
-                report["skipped"].append(f"linears from {name}")
-                break
-            began = time.monotonic()
-            report["linears"].append(check_linear(name, module, ref.w, packed, dtype, device))
-            dequant_s += time.monotonic() - began
-            dequantized += sum(c["shape"][0] * c["shape"][1] for c in report["linears"][-1]["components"])
-    except Exception as exc:  # noqa: BLE001 - recorded, the later phases still say where the forward parts
-        report["errors"]["linears"] = repr(exc)
-    report["siblings"] = sibling_ratios(report["linears"])
-    phase("linears", t)
+    with set_current_vllm_config(llm.llm_engine.vllm_config):  # as inside the engine, for modules run by hand
+        began = time.monotonic()
+        dequantized, dequant_s = check_linears(run, model, ref, ids, args.layers, device, dtype)
+        run.done("linears", began)
 
-    t = time.monotonic()
-    capture = LayerCapture(model, len(ids))
-    answer = llm.generate([{"prompt_token_ids": ids}],
-                          vllm.SamplingParams(max_tokens=8, temperature=0.0, logprobs=5, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0]
-    capture.remove()
-    report["engine"] = {"answer": list(answer.token_ids), "chain": design.walk(ids[-1], 8)[1:],
-                        "captured": len(capture.got),
-                        "first_logprobs": {str(k): round(v.logprob, 3) for k, v in (answer.logprobs or [{}])[0].items()}}
-    phase("engine", t)
+        began = time.monotonic()
+        report["engine"], got = run_engine(llm, model, ids, design.walk(ids[-1], 8)[1:])
+        run.done("engine", began)
 
-    t = time.monotonic()
-    kinds = ref.layer_types
-    # the reference's forward costs about its dequantization: fit the layers the budget holds
-    body = sum(p.numel() * (8 if p.dtype == torch.int32 else 1) for n, p in model.named_parameters()
-               if "layers." in n and "mtp" not in n)
-    estimate = dequant_s / max(1, dequantized) * body
-    room = left() - LOGITS_RESERVE_S
-    layers = None if estimate < room else max(1, int(len(kinds) * room / estimate))
-    if layers is not None:
-        report["skipped"].append(f"reference layers {layers}..{len(kinds) - 1} (estimated {estimate:.0f} s)")
-    with torch.no_grad():
-        states = ref.layer_states(ids, layers)
-    report["layers"] = compare_layers(capture.got, states, kinds)
-    phase("layers", t)
-
-    t = time.monotonic()
-    if states["final"] is not None and ("final",) in capture.got:
+        began = time.monotonic()
+        kinds = ref.layer_types
+        # the reference's forward costs about its dequantization: fit the layers the budget holds
+        body = sum(p.numel() * (8 if p.dtype == torch.int32 else 1) for n, p in model.named_parameters()
+                   if "layers." in n and "mtp" not in n)
+        estimate = dequant_s / max(1, dequantized) * body
+        room = run.left() - LOGITS_RESERVE_S
+        layers = None if estimate < room else max(1, int(len(kinds) * room / estimate))
+        if layers is not None:
+            report["skipped"].append(f"reference layers {layers}..{len(kinds) - 1} (estimated {estimate:.0f} s)")
         with torch.no_grad():
-            mine = model.compute_logits(capture.got[("final",)].to(device=device, dtype=dtype))
-            theirs = states["final"] @ ref.w.linear("lm_head").to(device).T
-        report["logits"] = compare_logits(mine, theirs, ids, report["chain_next"])
-        report["final_hidden"] = compare(capture.got[("final",)], states["final"].cpu())
-    else:
-        report["skipped"].append("logits (no final hidden)")
-    phase("logits", t)
+            states = ref.layer_states(ids, layers)
+        report["layers"] = compare_layers(got, states, kinds)
+        run.done("layers", began)
+
+        began = time.monotonic()
+        if states["final"] is not None and ("final",) in got:
+            with torch.no_grad():
+                mine = model.compute_logits(got[("final",)].to(device=device, dtype=dtype))
+                theirs = states["final"] @ ref.w.linear("lm_head").to(device).T
+            report["logits"] = compare_logits(mine, theirs, ids, report["chain_next"])
+            report["final_hidden"] = compare(got[("final",)], states["final"].cpu())
+        else:
+            report["skipped"].append("logits (no final hidden)")
+        run.done("logits", began)
     print(table(report))
     return 0
 

@@ -2,6 +2,9 @@
 stand-ins of scripted_vllm_forward.py), against the reference; writes the rows as JSON.
 
     python tests/helpers/scripted_layers_cpu.py MODEL_DIR OUT.json TOKEN_ID...
+    python tests/helpers/scripted_layers_cpu.py --main MODEL_DIR --out OUT.json ...   # the script's main()
+
+The second form runs bench/gpu/scripted_layers.py's main() with `vllm.LLM` replaced by `CpuLLM` below.
 
 OUT.json: {"linears": every decoder linear, the embedding and the lm_head checked against the reference's weights;
 "reversed": the fused modules checked with their components in the wrong order; "layers" / "final": the captured
@@ -10,13 +13,16 @@ down_proj) is made SCALE times larger in vLLM's model, "scaled_linear": that mod
 """
 
 import json
+import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 # isort: off
 from tests.helpers.scripted_vllm_forward import cpu_models  # first: it installs the CPU stand-ins before torch
 
 import torch  # noqa: E402
+import vllm  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
 
@@ -36,7 +42,34 @@ def captured(config, target, ids: list[int]) -> dict:
     return capture.got
 
 
+class CpuLLM:
+    """The part of vllm.LLM that scripted_layers.main() uses, over the CPU-built target: no engine, greedy
+    decoding as full forwards (the hooks keep the first). Records the arguments and the engine environment."""
+
+    def __init__(self, model: str, **kwargs):
+        self.config, models = cpu_models(Path(model))
+        self.target = models["Qwen3_5ForConditionalGeneration"]
+        self.llm_engine = SimpleNamespace(vllm_config=self.config)
+        record = {"kwargs": kwargs, "env": {k: os.environ.get(k) for k in sl.ENGINE_ENV}}
+        Path(os.environ["QS_CPU_LLM_RECORD"]).write_text(json.dumps(record))
+
+    def apply_model(self, fn):
+        return [fn(self.target)]
+
+    def generate(self, prompts, params, use_tqdm=False):
+        ids, answer = list(prompts[0]["prompt_token_ids"]), []
+        for _ in range(params.max_tokens):
+            with torch.no_grad(), set_forward_context(None, self.config):
+                hidden = self.target(input_ids=torch.tensor(ids), positions=torch.arange(len(ids)).expand(3, -1))
+                answer.append(int(self.target.compute_logits(hidden[-1:]).argmax()))
+            ids.append(answer[-1])
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=answer, logprobs=None)])]
+
+
 def main() -> None:
+    if sys.argv[1] == "--main":
+        vllm.LLM = CpuLLM
+        raise SystemExit(sl.main(sys.argv[2:]))
     path, out_path, ids = Path(sys.argv[1]), Path(sys.argv[2]), [int(t) for t in sys.argv[3:]]
     config, models = cpu_models(path)
     target = models["Qwen3_5ForConditionalGeneration"]

@@ -120,6 +120,12 @@ def test_hooks_follow_vllms_forward_layer_by_layer(cpu_run, ref):
             assert row[part]["rel_err"] < (1e-5 if part == "stream" else 1e-3), (row["layer"], part, row[part])
     assert cpu_run["final"]["rel_err"] < 1e-5
     assert sl.first_parted(rows) is None
+    # split at the output GEMMs (every layer of the tiny checkpoint): both halves agree
+    assert [row["layer"] for row in cpu_run["in_situ"]] == list(range(len(ref.layer_types)))
+    for row in cpu_run["in_situ"]:
+        for part in ("mixer", "mlp"):
+            assert row[part]["output_gemm"]["rel_err"] < 1e-5, (row["layer"], part, row[part])
+            assert row[part]["before_gemm"]["rel_err"] < 1e-3, (row["layer"], part, row[part])
 
 
 def test_a_full_scale_branch_is_found_where_it_is(cpu_run):
@@ -130,8 +136,12 @@ def test_a_full_scale_branch_is_found_where_it_is(cpu_run):
     assert rows[1]["mlp"]["ratio"] == pytest.approx(100.0, rel=0.05)
     parted = sl.first_parted(rows)
     assert parted is not None and parted["layer"] == 1 and parted["mlp_ratio"] > 50
-    report = {"linears": [scaled_row], "layers": rows}
+    # split at its output GEMM, the blame falls on the GEMM, not on what feeds it
+    split = cpu_run["scaled_in_situ"][1]["mlp"]
+    assert split["output_gemm"]["rel_err"] > 50 and split["before_gemm"]["rel_err"] < 1e-3
+    report = {"linears": [scaled_row], "layers": rows, "in_situ": cpu_run["scaled_in_situ"]}
     summary = sl.summarize(report)
+    assert summary["in_situ_off"][0][:3] == [1, "mlp", "output_gemm"]
     assert summary["linears_off"] == [scaled_row["module"]]
     assert summary["first_parted_layer"]["layer"] == 1
     assert summary["largest_branch_ratio"][:2] == [1, "mlp"] or summary["largest_branch_ratio"][:2] == (1, "mlp")
@@ -156,7 +166,7 @@ def test_the_scripts_main_on_the_cpu_model(tiny, tmp_path):
     assert report["skipped"] == [] and report["errors"] == {}
     summary = report["summary"]
     assert summary["linears_off"] == [] and summary["linears_checked"] > 2
-    assert summary["first_parted_layer"] is None and summary["eager_answer_is_chain"]
+    assert summary["first_parted_layer"] is None and summary["answer_is_chain"]
     assert summary["logits"]["argmax_agrees"] == summary["logits"]["positions"] == 12
     assert summary["logits"]["reference_argmax_is_chain"] == 12
     assert report["logits"]["rel_err"] < 1e-4

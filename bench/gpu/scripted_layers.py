@@ -1,6 +1,6 @@
 """Where vLLM's GPU forward and the float32 reference part ways on a scripted checkpoint: one run, one JSON.
 
-    python bench/gpu/scripted_layers.py MODEL_DIR --out OUT.json [--layers N] [--tokens T] [--budget-s 240]
+    python bench/gpu/scripted_layers.py MODEL_DIR --out OUT.json [--layers N] [--tokens T] [--budget-s 240] [--compiled]
 
 On the H200, vLLM 0.28.0 serving the scripted full checkpoint answers one constant token for every prompt, as if
 its final hidden state were a context-independent vector (docs/scripted-model.md). This loads vLLM in-process
@@ -22,7 +22,8 @@ VLLM_DISABLED_KERNELS=MacheteLinearKernel, Triton GDN prefill, bf16, no prefix c
 4. `logits`: the final hidden through vLLM's lm_head against the reference's logits, argmax against the chain.
 
 `summary` names the first layer whose stream parts from the reference and the modules whose output does not
-match their weights. Phases the budget cannot hold are recorded in `skipped`.
+match their weights. Phases the budget cannot hold are recorded in `skipped`. `--compiled` boots as the server
+does (torch.compile, CUDA graphs): the hooks then see nothing, but the linears and the answer are still checked.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ _LAYER_LINEAR = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)\.([^.]+)$")
 _CAPTURED = [("stream", re.compile(r"(?:^|\.)layers\.(\d+)$")),
              ("mixer", re.compile(r"(?:^|\.)layers\.(\d+)\.(?:linear_attn|self_attn)$")),
              ("mlp", re.compile(r"(?:^|\.)layers\.(\d+)\.mlp$"))]
+_GEMM_INPUTS = [("mixer_in", re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn\.o_proj|linear_attn\.out_proj)$")),
+                ("mlp_in", re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.down_proj$"))]
+OUTPUT_GEMM = {"full_attention": "self_attn.o_proj", "linear_attention": "linear_attn.out_proj"}
 
 
 # ---------------------------------------------------------------- comparison maths
@@ -184,8 +188,8 @@ def sibling_ratios(rows: list[dict]) -> list[dict]:
 class LayerCapture:
     """Forward hooks that keep, from the first forward over at least `tokens` rows (the prefill), every decoder
     layer's residual stream (hidden + residual: vLLM's layers return the MLP output and the stream before it),
-    its mixer's and MLP's outputs and the final norm's output, as float32 copies on the CPU (the next layer's
-    fused add-norm may work in place)."""
+    its mixer's and MLP's outputs, the inputs of their output GEMMs (o_proj / out_proj, down_proj) and the final
+    norm's output, as float32 copies on the CPU (the next layer's fused add-norm may work in place)."""
 
     def __init__(self, model: torch.nn.Module, tokens: int):
         self.tokens = tokens
@@ -201,6 +205,11 @@ class LayerCapture:
                     key = (part, int(match.group(1)))
             if key:
                 self._handles.append(module.register_forward_hook(self._hook(key)))
+            for part, pattern in _GEMM_INPUTS:
+                match = pattern.search(name)
+                if match:
+                    hook = self._hook((part, int(match.group(1))))
+                    self._handles.append(module.register_forward_pre_hook(lambda m, args, hook=hook: hook(m, (), args[0])))
 
     def _hook(self, key: tuple):
         def hook(module, args, output):
@@ -226,6 +235,27 @@ def compare_layers(got: Mapping[tuple, torch.Tensor], states: dict, kinds: list[
         for part in ("stream", "mixer", "mlp"):
             mine = got.get((part, i))
             row[part] = None if mine is None else compare(mine, layer[part].cpu())
+        rows.append(row)
+    return rows
+
+
+def in_situ(got: Mapping[tuple, torch.Tensor], states: dict, weights, kinds: list[str], layers: int,
+            device: torch.device) -> list[dict]:
+    """For the first `layers` layers, each branch split at its output GEMM, on vLLM's own activations:
+    `output_gemm` = vLLM's branch output against its captured GEMM input times the reference's weight;
+    `before_gemm` = that product against the reference's branch output (everything before the GEMM: the
+    attention / GDN kernels, the gated norm, the MLP's gate_up and activation)."""
+    rows = []
+    for i in range(min(layers, len(states["layers"]))):
+        row = {"layer": i, "kind": kinds[i]}
+        for part, module in (("mixer", OUTPUT_GEMM[kinds[i]]), ("mlp", "mlp.down_proj")):
+            gemm_in, out = got.get((f"{part}_in", i)), got.get((part, i))
+            if gemm_in is None or out is None:
+                row[part] = None
+                continue
+            product = (gemm_in.to(device) @ weights.linear(f"{LM}layers.{i}.{module}").to(device).T).cpu()
+            row[part] = {"output_gemm": compare(out, product),
+                         "before_gemm": compare(product, states["layers"][i][part].cpu())}
         rows.append(row)
     return rows
 
@@ -264,11 +294,17 @@ def summarize(report: dict) -> dict:
                   if row[part] is not None and row[part]["ratio"] is not None]
         if ratios:
             out["largest_branch_ratio"] = max(ratios, key=lambda r: abs(math.log(max(r[2], 1e-30))))
+    for row in report.get("in_situ", []):
+        for part in ("mixer", "mlp"):
+            split = row[part] or {}
+            for side, limit in (("output_gemm", MISMATCH), ("before_gemm", PARTED)):
+                if (split.get(side, {}).get("rel_err") or 0) > limit:
+                    out.setdefault("in_situ_off", []).append([row["layer"], part, side, split[side]["rel_err"]])
     if "logits" in report:
         out["logits"] = {k: report["logits"][k] for k in ("rel_err", "argmax_agrees", "vllm_argmax_is_chain",
                                                           "reference_argmax_is_chain", "positions")}
     if "engine" in report:
-        out["eager_answer_is_chain"] = report["engine"]["answer"] == report["engine"]["chain"]
+        out["answer_is_chain"] = report["engine"]["answer"] == report["engine"]["chain"]
     return out
 
 
@@ -277,14 +313,15 @@ def table(report: dict) -> str:
     for row in report.get("linears", []):
         lines.append(f"{row['module'][-64:]:64} {row['kernel'][:26]:26} {row['rel_err']:8.4f} {row['ratio']:7.3f}")
     if report.get("layers"):
-        lines.append(f"{'layer':>5} {'kind':16} {'stream':>7} {'vllm':>8} {'ref':>8} {'diff/ref':>8} "
-                     f"{'mixer x':>8} {'mlp x':>8}")
+        lines.append(f"{'layer':>5} {'kind':16} {'stream':>8} {'ref':>8} {'diff/ref':>8} "
+                     f"{'mixer':>8} {'x ref':>8} {'mlp':>8} {'x ref':>8}")
         for row in report["layers"]:
-            s = row["stream"] or {}
-            mixer, mlp = (row["mixer"] or {}).get("ratio"), (row["mlp"] or {}).get("ratio")
-            lines.append(f"{row['layer']:5} {row['kind']:16} {'':7} {s.get('rms', float('nan')):8.3f} "
-                         f"{s.get('rms_ref', float('nan')):8.3f} {s.get('rel_err') or float('nan'):8.4f} "
-                         f"{mixer or float('nan'):8.3f} {mlp or float('nan'):8.3f}")
+            cells = [row[part] or {} for part in ("stream", "mixer", "mlp")]
+            values = [cells[0].get("rms"), cells[0].get("rms_ref"), cells[0].get("rel_err")]
+            for cell in cells[1:]:
+                values += [cell.get("rms"), cell.get("ratio")]
+            lines.append(f"{row['layer']:5} {row['kind']:16} " + " ".join(
+                f"{float('nan') if v is None else v:8.4f}" for v in values))
     lines.append("summary " + json.dumps(report.get("summary", {})))
     return "\n".join(lines)
 
@@ -363,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="decoder layers whose linears are checked")
     parser.add_argument("--tokens", type=int, default=32, help="length of the chain-walk prompt")
     parser.add_argument("--budget-s", type=float, default=240)
+    parser.add_argument("--compiled", action="store_true",
+                        help="torch.compile and CUDA graphs as the server runs (no per-layer hooks fire then)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                         help="vLLM's share: the reference dequantizes beside it on the same GPU")
     args = parser.parse_args(argv)
@@ -378,12 +417,12 @@ def main(argv: list[str] | None = None) -> int:
     design = Design.read(args.model_dir)
     ids = design.walk(design.active[len(design.active) // 3], args.tokens - 1)
     report = {"schema": SCHEMA, "model_dir": str(args.model_dir), "env": ENGINE_ENV, "ids": ids,
-              "chain_next": [design.next_in_chain(t) for t in ids], "phases_s": {}, "skipped": [], "errors": {},
+              "chain_next": [design.next_in_chain(t) for t in ids], "compiled": args.compiled, "phases_s": {}, "skipped": [], "errors": {},
               "versions": {"vllm": vllm.__version__, "torch": torch.__version__}}
     run = Run(args.out, args.budget_s, report)
 
     began = time.monotonic()
-    llm = vllm.LLM(model=str(args.model_dir), enforce_eager=True, max_model_len=512, max_num_seqs=4,
+    llm = vllm.LLM(model=str(args.model_dir), enforce_eager=not args.compiled, max_model_len=512, max_num_seqs=4,
                    enable_prefix_caching=False, language_model_only=True, gdn_prefill_backend="triton",
                    gpu_memory_utilization=args.gpu_memory_utilization, seed=0)
     model = llm.apply_model(lambda m: m)[0]  # in-process engine core: the model object itself
@@ -414,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             states = ref.layer_states(ids, layers)
         report["layers"] = compare_layers(got, states, kinds)
+        report["in_situ"] = in_situ(got, states, ref.w, kinds, args.layers, device)
         run.done("layers", began)
 
         began = time.monotonic()

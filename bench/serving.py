@@ -125,6 +125,19 @@ def probe(url: str, body: Mapping | None = None, *, key: str | None = None,
         return 0, str(getattr(err, "reason", err))
 
 
+def probe_raw(url: str, data: bytes, *, key: str | None = None, timeout_s: float = 60) -> tuple[int, str]:
+    """probe() for a body that is not JSON-encoded here (bench/soak.py's malformed requests): the bytes go as
+    they are, still labelled application/json, so the server's JSON parser is what answers."""
+    request = urllib.request.Request(url, data=data, headers=_headers(key, True), method="POST")
+    try:
+        with _OPENER.open(request, timeout=timeout_s) as response:
+            return response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode(errors="replace")
+    except OSError as err:
+        return 0, str(getattr(err, "reason", err))
+
+
 class Client:
     """One server: its base URL (a trailing /v1 is dropped, so both spellings work) and API key."""
 

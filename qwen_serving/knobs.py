@@ -77,9 +77,10 @@ class Alternatives:
 
 @dataclass(frozen=True)
 class HasArg:
-    """A condition on EXTRA_ARGS: it carries this flag (alone or as `flag=value`)."""
+    """A condition on EXTRA_ARGS: it carries this flag or one of its other spellings (alone or as `flag=value`)."""
 
     flag: str
+    also: tuple[str, ...] = ()
 
 
 SET = "<set in the environment>"  # a condition: the knob was set by hand, whatever its value
@@ -94,7 +95,8 @@ def holds(want: object, have: object) -> bool:
     if isinstance(want, Alternatives):
         return isinstance(have, str) and set(have.split("|")) == want.names
     if isinstance(want, HasArg):
-        return isinstance(have, str) and any(a == want.flag or a.startswith(want.flag + "=") for a in shlex.split(have))
+        flags = (want.flag, *want.also)
+        return isinstance(have, str) and any(a == f or a.startswith(f + "=") for a in shlex.split(have) for f in flags)
     if isinstance(want, tuple):
         return have in want
     return have == want
@@ -382,6 +384,10 @@ KNOBS: tuple[Knob, ...] = (
          "where the port is reachable from, if not HOST: docker-compose.yml binds 0.0.0.0 inside the container "
          "and sets this to the host address it publishes on; the API-key rule applies to it"),
     Knob("PORT", _int(1, 65535), _rules(Rule(18020)), "HTTP port of the OpenAI-compatible API", argv=_opt("--port")),
+    Knob("TP", _samples(_int(1, 8), "2", "4"), _rules(Rule(1)),
+         "cards the model is split across (`--tensor-parallel-size`): 1, 2 or 4, what its 4 KV heads divide by; "
+         "KV_MEM and GPU_UTIL are per card, and `explain` prints each card's share",
+         argv=_opt("--tensor-parallel-size", unless=1)),
     Knob("SPEC", _choice("mtp", "dflash2", "off"), _rules(Rule("mtp")),
          "speculative decoding: MTP head (k chained drafts), DFlash2 block drafter (7 drafts in one pass, "
          "one-user mode: 0.88 GiB of state pages per resident request), or none", SINGLE,
@@ -509,7 +515,8 @@ KNOBS: tuple[Knob, ...] = (
         Rule("auto", {"mode": "single"}),
         Rule(BASE_MODEL)), f"checkpoint dir; single `auto` = `{FAST_MODEL}` if present, else `{BASE_MODEL}`",
         argv=lambda value, v, z: [z.model, "--served-model-name", SERVED_NAME]),  # z.model: `auto` resolved
-    Knob("EXTRA_ARGS", _args, _rules(Rule("")), "appended to the vllm argv as is (e.g. `--tensor-parallel-size 2`)",
+    Knob("EXTRA_ARGS", _args, _rules(Rule("")),
+         "appended to the vllm argv as is (e.g. `--seed 1`); the tensor-parallel size is TP, the key VLLM_API_KEY",
          argv=lambda value, v, z: shlex.split(value)),
 )
 
@@ -518,6 +525,9 @@ CHECKS: tuple[Check, ...] = (
     Check({"EXTRA_ARGS": HasArg("--api-key")},
           "EXTRA_ARGS carries --api-key, which every user of this machine can read in the process list; "
           f"set VLLM_API_KEY or write it to {API_KEY_FILE} instead"),
+    Check({"EXTRA_ARGS": HasArg("--tensor-parallel-size", ("-tp",))},
+          "EXTRA_ARGS carries --tensor-parallel-size, which the plan would not size the pool, the seats and the "
+          "weights for; drop it and set TP=2 (or TP=4) instead"),
     Check({"REQ_METRICS": 1, "EXTRA_ARGS": HasArg("--disable-log-stats")},
           "REQ_METRICS=1 needs vLLM's stats logging, and EXTRA_ARGS has --disable-log-stats; drop one"),
     Check({"INT8_ACT": "int8", "INT8_LAYERS": Alternatives(frozenset({"mlp", "linear_attn"}))},
@@ -539,7 +549,7 @@ CHECKS: tuple[Check, ...] = (
 # The order knobs render in: vLLM takes its flags in any order, this one keeps `--dry-run` output stable.
 # BATCHED_TOKENS is the mode's own --max-num-batched-tokens (Sized.batched_tokens), not a knob.
 BATCHED_TOKENS = "--max-num-batched-tokens"
-RENDER_ORDER = ("MODEL", "HOST", "PORT", "MAX_SEQS", "MAX_LEN", "STATE_DTYPE", "CTX", "KV", "KV_MEM", "GPU_UTIL",
+RENDER_ORDER = ("MODEL", "HOST", "PORT", "TP", "MAX_SEQS", "MAX_LEN", "STATE_DTYPE", "CTX", "KV", "KV_MEM", "GPU_UTIL",
                 "PREFIX_CACHE", "SPEC", "ASYNC_SCHED", "CUDAGRAPH_MODE", BATCHED_TOKENS, "TOOLS", "VISION",
                 "REQ_METRICS", "API_SERVERS", "GDN_PREFILL", "EXTRA_ARGS",
                 "INT8_ACT", "INT8_LAYERS", "SPEC_ATTN", "MTP_DRAFT_VOCAB", "PREFILL_ATTN")
@@ -590,6 +600,7 @@ class Values:
     host: str
     published_on: str
     port: int
+    tp: int
     spec: str
     ctx: str
     kv: str

@@ -47,16 +47,17 @@ def kv_bytes_per_token_layer(kv_dtype: str, kv_heads: int = model.KV_HEADS, head
     raise ValueError(f"no page layout known for kv cache dtype {kv_dtype!r}")
 
 
-def gdn_state_bytes_per_layer(state_dtype: str = "float16", spec_tokens: int = 0, conv_dtype: str = model.DTYPE) -> int:
-    """One request's recurrent state in one GDN layer: the delta-rule matrix plus the conv tail
-    (with k more conv rows when speculating: model.gdn_state_shapes)."""
-    conv, ssm = model.gdn_state_shapes(spec_tokens)
+def gdn_state_bytes_per_layer(state_dtype: str = "float16", spec_tokens: int = 0, conv_dtype: str = model.DTYPE,
+                              tp: int = 1) -> int:
+    """One request's recurrent state in one GDN layer on one of `tp` cards: the delta-rule matrix plus the conv
+    tail (with k more conv rows when speculating: model.gdn_state_shapes)."""
+    conv, ssm = model.gdn_state_shapes(spec_tokens, tp)
     return math.prod(ssm) * model.DTYPE_BYTES[state_dtype] + math.prod(conv) * model.DTYPE_BYTES[conv_dtype]
 
 
-def gdn_state_bytes(state_dtype: str = "float16", spec_tokens: int = 0) -> int:
-    """One request's recurrent state over all 48 GDN layers (unpadded)."""
-    return model.GDN_LAYERS * gdn_state_bytes_per_layer(state_dtype, spec_tokens)
+def gdn_state_bytes(state_dtype: str = "float16", spec_tokens: int = 0, tp: int = 1) -> int:
+    """One request's recurrent state over all 48 GDN layers (unpadded), on one of `tp` cards."""
+    return model.GDN_LAYERS * gdn_state_bytes_per_layer(state_dtype, spec_tokens, tp=tp)
 
 
 @dataclass(frozen=True)
@@ -72,19 +73,26 @@ class CacheShape:
     max_num_batched_tokens: int = PREFILL_CHUNK
     async_scheduling: bool = False  # two batches in flight: the window group keeps two chunks
     conv_spec_rows: bool = True  # vLLM 0.28.0 keeps k extra conv rows per GDN state; False drops them
+    tp: int = 1  # cards: each holds its share of the KV heads and of the GDN channels, in a pool of its own
+
+    @property
+    def kv_bytes_per_token_layer(self) -> int:
+        """One card's bytes per token per attention layer (its KV heads; the drafter's 8 x 128 give the same)."""
+        return kv_bytes_per_token_layer(self.kv_dtype, kv_heads=model.KV_HEADS // self.tp)
 
     @property
     def block_size(self) -> int:
-        """Attention block size: the smallest multiple of 16 tokens whose page holds one GDN state."""
-        per_token = kv_bytes_per_token_layer(self.kv_dtype)
-        step = KERNEL_BLOCK_ALIGNMENT * per_token
-        state = gdn_state_bytes_per_layer(self.state_dtype, self.spec_tokens if self.conv_spec_rows else 0)
+        """Attention block size: the smallest multiple of 16 tokens whose page holds one GDN state. Both halve
+        together under TP, so the block size is the one card's."""
+        step = KERNEL_BLOCK_ALIGNMENT * self.kv_bytes_per_token_layer
+        state = gdn_state_bytes_per_layer(self.state_dtype, self.spec_tokens if self.conv_spec_rows else 0,
+                                          tp=self.tp)
         return KERNEL_BLOCK_ALIGNMENT * math.ceil(state / step)
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one block of one layer; the GDN page is padded to this."""
-        return self.block_size * kv_bytes_per_token_layer(self.kv_dtype)
+        """Bytes of one block of one layer on one card; the GDN page is padded to this."""
+        return self.block_size * self.kv_bytes_per_token_layer
 
     @property
     def buckets(self) -> dict[str, int]:
@@ -144,6 +152,8 @@ class CacheShape:
         return blocks
 
     def num_blocks(self, kv_mem: int) -> int:
+        """Blocks of a pool of kv_mem bytes per card (vLLM's --kv-cache-memory-bytes is per card; every card
+        holds the same block ids, each its share of every page)."""
         return kv_mem // self.page_bytes // self.group_size
 
     def pool_tokens(self, kv_mem: int, max_len: int) -> int:
@@ -211,27 +221,63 @@ def int_bytes(params: int, bits: int, group: int = 128) -> float:
 VISION_TOWER_BYTES = 0.858 * GiB  # spec figure: the BF16 vision tower of this checkpoint
 
 
-def weights_bytes(spec: str = "mtp", fast_variant: bool = True, vision: bool = False) -> float:
-    """GPU bytes of the served weights after prepare/ (int8 embed; int8 or GPTQ-int4 lm_head)."""
+@dataclass(frozen=True)
+class Weights:
+    """The served weights after prepare/ (int8 embed; int8 or GPTQ-int4 lm_head), as vLLM 0.28.0 lays them out
+    under TP. Split across the cards: every linear of the body and of the MTP module (column- and row-parallel,
+    their group scales with them) and the vocab-parallel embed_tokens and lm_head (vocabulary rows; 248,320 is a
+    multiple of 64 x 4, so no padding). Whole on every card: the DFlash2 drafter and the vision tower, whose
+    split the plan does not know (an upper bound). The norms, conv1d, A_log and dt_bias are not counted
+    (under 10 MB)."""
+
+    split: float
+    whole: float
+
+    def per_card(self, tp: int = 1) -> float:
+        return self.split / tp + self.whole
+
+    @property
+    def total(self) -> float:
+        return self.split + self.whole
+
+
+def weights(spec: str = "mtp", fast_variant: bool = True, vision: bool = False) -> Weights:
     table = model.VOCAB * model.HIDDEN
-    total = int_bytes(body_params(), 4) + int_bytes(table, 8)  # body + embed_tokens
-    total += int_bytes(table, 4 if fast_variant else 8)  # lm_head
+    split = int_bytes(body_params(), 4) + int_bytes(table, 8)  # body + embed_tokens
+    split += int_bytes(table, 4 if fast_variant else 8)  # lm_head
+    whole = 0.0
     if spec == "mtp":
-        total += int_bytes(mtp_params(), 4 if fast_variant else 8)
+        split += int_bytes(mtp_params(), 4 if fast_variant else 8)
     elif spec == "dflash2":
-        total += DFLASH2_DRAFTER_BYTES
+        whole += DFLASH2_DRAFTER_BYTES
     if vision:
-        total += VISION_TOWER_BYTES
-    return total
+        whole += VISION_TOWER_BYTES
+    return Weights(split, whole)
+
+
+def weights_bytes(spec: str = "mtp", fast_variant: bool = True, vision: bool = False, tp: int = 1) -> float:
+    """GPU bytes of the served weights on one of `tp` cards."""
+    return weights(spec, fast_variant, vision).per_card(tp)
 
 
 # ---- what sits beside the KV pool on the card ----
 CUDAGRAPH_BYTES = 1.2 * GiB  # spec: ~1.2 GiB of CUDA graphs on the V2 runner (the V1 figure is not stated)
 ACTIVATION_PEAK_BYTES = 2.0 * GiB  # spec: the profiled activation peak swings ~1 GiB between starts; take the top
 AUTO_MARGIN_BYTES = int(0.5 * GiB)  # what KV_MEM=auto leaves free on purpose
+# Under TP every card keeps the whole graph and activation figures above: their tensors of hidden size are
+# replicated and nothing of ours measured how much of the rest halves, so they stay an upper bound. Each card
+# also holds the communicators: NCCL's (torch's group and vLLM's PyNccl) and the custom all-reduce buffers
+# (custom_all_reduce.py: 8 MiB plus its graph registrations). An allowance, not a measurement.
+TP_COMM_BYTES = int(0.5 * GiB)
 
 
-def auto_kv_mem(free_bytes: int, weights: float, margin: int = AUTO_MARGIN_BYTES) -> int:
-    """KV_MEM=auto: free VRAM minus weights, graphs, the activation peak and a margin, in MiB steps."""
-    pool = free_bytes - weights - CUDAGRAPH_BYTES - ACTIVATION_PEAK_BYTES - margin
+def beside_pool_bytes(tp: int = 1) -> float:
+    """What sits on each card besides the weights and the pool: graphs, activation peak, communicators."""
+    return CUDAGRAPH_BYTES + ACTIVATION_PEAK_BYTES + (TP_COMM_BYTES if tp > 1 else 0)
+
+
+def auto_kv_mem(free_bytes: int, weights: float, margin: int = AUTO_MARGIN_BYTES, tp: int = 1) -> int:
+    """KV_MEM=auto on one card: its free VRAM minus its weights (weights_bytes(..., tp)), graphs, the activation
+    peak, the communicators under TP and a margin, in MiB steps."""
+    pool = free_bytes - weights - beside_pool_bytes(tp) - margin
     return max(0, int(pool) // MiB * MiB)

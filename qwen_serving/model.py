@@ -49,14 +49,66 @@ ATTN_LAYERS = layer_types().count("full_attention")
 GDN_LAYERS = layer_types().count("linear_attention")
 
 
-def gdn_state_shapes(spec_tokens: int = 0) -> tuple[tuple[int, int], tuple[int, int, int]]:
-    """One request's recurrent state in one GDN layer: (conv tail, delta-rule matrix).
+def gdn_state_shapes(spec_tokens: int = 0, tp: int = 1) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """One request's recurrent state in one GDN layer on one of `tp` cards: (conv tail, delta-rule matrix).
 
     The conv tail is CONV_KERNEL - 1 rows of every q/k/v channel, plus one row per speculative token
     (vLLM 0.28.0's qwen3_5.py passes num_spec to the shape); the matrix is [value heads, value dim,
-    key dim]. vLLM's MambaStateShapeCalculator.gated_delta_net_state_shape, conv rows first.
+    key dim]. vLLM's MambaStateShapeCalculator.gated_delta_net_state_shape, conv rows first: each card
+    keeps its share of the channels and of the value heads.
     """
-    return (CONV_KERNEL - 1 + spec_tokens, CONV_DIM), (GDN_V_HEADS, GDN_HEAD_DIM, GDN_HEAD_DIM)
+    return (CONV_KERNEL - 1 + spec_tokens, CONV_DIM // tp), (GDN_V_HEADS // tp, GDN_HEAD_DIM, GDN_HEAD_DIM)
+
+
+# ---- tensor parallelism: what vLLM 0.28.0 splits across TP cards, and the unit each card's share must be ----
+# Heads: qwen3_next.py Qwen3NextAttention (query heads divide; KV heads divide, or vLLM replicates them when
+# TP exceeds their count, which gives every card a whole copy of a head: not planned here) and
+# qwen_gdn_linear_attn.py (divide(num_v_heads, tp), num_k_heads // tp). Columns: Marlin's tiles
+# (marlin_utils.py GPTQ_MARLIN_MIN_THREAD_N = 64 outputs, GPTQ_MARLIN_MIN_THREAD_K = 128 inputs per card), and
+# vocab_parallel_embedding.py pads the vocabulary to 64 rows before dividing it (a `divide` that asserts).
+MARLIN_MIN_N = 64
+MARLIN_MIN_K = 128
+VOCAB_PADDING = 64
+
+
+def padded_vocab(rows: int) -> int:
+    """Rows of a vocab-parallel table (embed_tokens, lm_head, a draft head) before vLLM divides them."""
+    return -(-rows // VOCAB_PADDING) * VOCAB_PADDING
+
+
+def head_splits(rows: int, tp: int) -> bool:
+    """A quantized vocab-parallel head of `rows` rows (lm_head, the MTP draft head) meets Marlin's tile on each of
+    `tp` cards."""
+    padded = padded_vocab(rows)
+    return padded % tp == 0 and padded // tp % MARLIN_MIN_N == 0
+
+
+# (what is split, how many, the multiple each card's share must be)
+TP_SPLITS: tuple[tuple[str, int, int], ...] = (
+    ("full-attention KV heads", KV_HEADS, 1),
+    ("full-attention query heads", Q_HEADS, 1),
+    ("GDN key heads", GDN_K_HEADS, 1),
+    ("GDN value heads", GDN_V_HEADS, 1),
+    ("MLP columns (Marlin: 128 per tile)", INTERMEDIATE, MARLIN_MIN_K),
+    ("vocabulary rows of embed_tokens and lm_head (Marlin: 64 per tile)", padded_vocab(VOCAB), MARLIN_MIN_N),
+)
+TP_TRIED = (1, 2, 3, 4, 5, 6, 7, 8)  # the card counts tp_sizes() looks at
+
+
+def tp_problems(tp: int, splits: tuple[tuple[str, int, int], ...] = TP_SPLITS) -> list[str]:
+    """Why the model does not split across `tp` cards (empty: it does)."""
+    out = []
+    for what, total, unit in splits:
+        if total % tp:
+            out.append(f"{total:,} {what} do not divide by {tp}")
+        elif (total // tp) % unit:
+            out.append(f"{total:,} {what} give {total // tp:,} per card, not a multiple of {unit}")
+    return out
+
+
+def tp_sizes(splits: tuple[tuple[str, int, int], ...] = TP_SPLITS) -> tuple[int, ...]:
+    """The card counts the model splits across."""
+    return tuple(tp for tp in TP_TRIED if not tp_problems(tp, splits))
 
 
 # The vision tower's config (vision_config). The server runs --language-model-only, so only the synthetic
@@ -85,6 +137,7 @@ DRAFTER_LAYERS = 5
 DRAFTER_KV_HEADS = 8
 DRAFTER_HEAD_DIM = 128
 DRAFTER_WINDOW = 2048
+DRAFTER_TP_SPLITS = (("DFlash2 drafter KV heads", DRAFTER_KV_HEADS, 1),)
 
 # ---- bytes per element ----
 # The dtype names vLLM 0.28.0 takes for the model (--dtype), the KV cache (config/cache.py CacheDType;

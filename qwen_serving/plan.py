@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import dotenv, knobs, memory, vllm_028
+from . import model as model_dims
 from .checkpoint import step_names
 from .engine import env_vars
 from .knobs import API_KEY_FILE, BASE_MODEL, FAST_MODEL, HUGE_KV, KNOBS, KnobError, Setting, Sized, Values
@@ -48,50 +49,76 @@ class Probe:
     kv_dtypes: frozenset[str] = vllm_028.KV_CACHE_DTYPES
     vllm_env: frozenset[str] = vllm_028.ENV_NAMES
     tool_parsers: frozenset[str] = vllm_028.TOOL_PARSERS
-    free_vram: int | None = None
+    free_vram: int | None = None  # the card that decides: the least free of those visible
     total_vram: int | None = None
     vram_source: str = "not read"
     wsl2: bool = False
     vllm_installed: bool = True  # the serving venv has a vllm entry point
+    cards: tuple[tuple[int, int], ...] = ()  # (free, total) bytes of every visible card, when read
 
     @classmethod
     def detect(cls, repo: Path = REPO, read_gpu: bool = False) -> Probe:
         free = total = None
+        cards: tuple[tuple[int, int], ...] = ()
         source = "not read (explain and KV_MEM=auto read it)"
         if read_gpu:
-            free, total, source = read_vram()
+            cards, source = read_cards()
+            if cards:
+                free, total = min(cards)
         try:
             wsl2 = "microsoft" in Path("/proc/version").read_text().lower()
         except OSError:
             wsl2 = False
         installed = (repo / "venv" / "bin" / "vllm").exists() or shutil.which("vllm") is not None
-        return cls(repo, free_vram=free, total_vram=total, vram_source=source, wsl2=wsl2, vllm_installed=installed)
+        return cls(repo, free_vram=free, total_vram=total, vram_source=source, wsl2=wsl2, vllm_installed=installed,
+                   cards=cards)
+
+    def gpus(self) -> tuple[tuple[int, int], ...]:
+        """(free, total) of every card read; a probe given only free_vram is one card."""
+        if self.cards:
+            return self.cards
+        return () if self.free_vram is None else ((self.free_vram, self.total_vram or 0),)
 
 
 # Run by the serving venv's python in a child process: this module stays standard library only.
-_TORCH_VRAM = ("import torch; assert torch.cuda.is_available(); "
-               "print(*torch.cuda.mem_get_info(0))")
+_TORCH_VRAM = ("import torch; assert torch.cuda.is_available()\n"
+               "for i in range(torch.cuda.device_count()): print(*torch.cuda.mem_get_info(i))")
+SMI_QUERY = ["--query-gpu=memory.free,memory.total", "--format=csv,noheader,nounits"]
 
 
-def read_vram() -> tuple[int | None, int | None, str]:
-    """Free and total bytes of GPU 0: torch if it sees CUDA, else nvidia-smi, else (None, None, why)."""
+def read_cards(env: Mapping[str, str] = os.environ) -> tuple[tuple[tuple[int, int], ...], str]:
+    """(free, total) bytes of every visible card, and where they came from: torch if it sees CUDA, else nvidia-smi
+    (limited to CUDA_VISIBLE_DEVICES when that is set), else () and why."""
     try:
         out = subprocess.run([sys.executable, "-c", _TORCH_VRAM], capture_output=True, text=True, timeout=120,
                              check=True).stdout
-        free, total = (int(x) for x in out.split())
-        return free, total, "torch.cuda.mem_get_info"
+        cards = _rows(out, 1)
+        if cards:
+            return cards, "torch.cuda.mem_get_info"
     except (OSError, subprocess.SubprocessError, ValueError):  # no torch, or no CUDA: ask nvidia-smi
         pass
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            out = subprocess.run([smi, "--query-gpu=memory.free,memory.total", "--format=csv,noheader,nounits",
-                                  "-i", "0"], capture_output=True, text=True, timeout=20, check=True).stdout
-            free, total = (int(x) * memory.MiB for x in out.strip().split(","))
-            return free, total, "nvidia-smi"
-        except (subprocess.SubprocessError, ValueError):
-            return None, None, "nvidia-smi failed"
-    return None, None, "cannot read free VRAM: no CUDA torch and no nvidia-smi"
+    smi = shutil.which("nvidia-smi", path=env.get("PATH"))
+    if not smi:
+        return (), "cannot read free VRAM: no CUDA torch and no nvidia-smi"
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and not visible.strip():
+        return (), "CUDA_VISIBLE_DEVICES is empty: no card is visible"
+    try:
+        out = subprocess.run([smi, *SMI_QUERY, *(["-i", visible.replace(" ", "")] if visible else [])],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        cards = _rows(out, memory.MiB)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return (), "nvidia-smi failed"
+    return (cards, "nvidia-smi") if cards else ((), "nvidia-smi lists no GPU")
+
+
+def _rows(text: str, unit: int) -> tuple[tuple[int, int], ...]:
+    """`free total` (or `free, total`) lines -> (free, total) bytes; raises ValueError on anything else."""
+    rows = []
+    for line in filter(None, (line.strip() for line in text.splitlines())):
+        free, total = (int(x) * unit for x in line.replace(",", " ").split())
+        rows.append((free, total))
+    return tuple(rows)
 
 
 @dataclass(frozen=True)
@@ -219,6 +246,7 @@ def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require
         raise PlanError(str(e)) from None
     v = Values.of(mode, settings)
     notes, warnings, derived = _default_notes(settings), misspelt(env, mode, probe), []
+    _check_tp(v)
     _check_paths(v, probe, will_create)
     model = _model_dir(v, probe, notes, derived)
     served = FAST_MODEL if v.mode == "single" and v.model == "auto" else model  # first start fetches the fast one
@@ -236,9 +264,22 @@ def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require
     secret = {knobs.SECRET_ENV: key} if key_source == API_KEY_FILE else {}
     if cache:
         derived += _cache_lines(cache, v, sized)
-    derived.append(Derived("weights on GPU", _gib(weights), "memory model (int4 body, int8 embed, prepared heads)"))
+    if v.tp == 1:
+        derived.append(Derived("weights on GPU", _gib(weights), "memory model (int4 body, int8 embed, prepared heads)"))
+    else:
+        derived += _card_lines(v, model)
     return ServePlan(mode, settings, tuple(argv), out_env, secret, key_source, tuple(notes), tuple(warnings),
                      tuple(derived), tuple(missing), cache, sized.kv_mem, served)
+
+
+def _check_tp(v: Values) -> None:
+    """TP must split every head count and every Marlin tile of the model (and of the DFlash2 drafter) evenly."""
+    splits = model_dims.TP_SPLITS + (model_dims.DRAFTER_TP_SPLITS if v.spec == "dflash2" else ())
+    problems = model_dims.tp_problems(v.tp, splits)
+    if problems:
+        sizes = [n for n in model_dims.tp_sizes(splits) if n > 1]
+        _refuse(f"TP={v.tp}: this model does not split across {v.tp} cards: {'; '.join(problems)}; set "
+                f"{' or '.join(f'TP={n}' for n in sizes)} (or TP=1, one card)")
 
 
 def _default_notes(settings: Mapping[str, Setting]) -> list[str]:
@@ -288,10 +329,23 @@ def _draft_head(v: Values, served: str, probe: Probe, settings: Mapping[str, Set
     builds one. Returns the build step, if any, and the settings with MTP_DRAFT_VOCAB as the plan serves it."""
     if v.mode != "single" or v.spec != "mtp" or not v.mtp_draft_vocab:
         return None, settings
-    if _has_draft_head(_in_repo(probe, served)):
+    ids = _in_repo(probe, v.draft_ids)
+    in_model = _draft_head_rows(_in_repo(probe, served))
+    rows = len(_id_list(ids)) if in_model is None and ids.is_file() else in_model
+    if rows and not model_dims.head_splits(rows, v.tp):
+        tile = model_dims.MARLIN_MIN_N * v.tp
+        why = (f"TP={v.tp} gives the draft head's {rows:,} rows {model_dims.padded_vocab(rows) // v.tp:,} per card; Marlin "
+               f"needs a multiple of {model_dims.MARLIN_MIN_N}, and vLLM {vllm_028.VERSION} has no other kernel for an "
+               "int8 head with bf16 activations (an int4 one would fall to the unmeasured Triton W4A16 kernel)")
+        fix = f"build the head from a multiple of {tile} ids ({CALIBRATE} --k {max(tile, rows // tile * tile)})"
+        if "MTP_DRAFT_VOCAB" in v.explicit:
+            _refuse(f"MTP_DRAFT_VOCAB=1: {why}; {fix}, or unset MTP_DRAFT_VOCAB to draft over the full lm_head")
+        notes.append(f"MTP_DRAFT_VOCAB=0 because {why}: MTP drafts over the full lm_head; {fix}")
+        derived.append(Derived("MTP draft head", "full lm_head", f"the {rows:,}-row head does not split across TP={v.tp}"))
+        return None, {**settings, "MTP_DRAFT_VOCAB": Setting(0, "plan", knobs.Rule(0, why=why))}
+    if in_model is not None:
         derived.append(Derived("MTP draft head", "in MODEL", f"{served}/config.json names its draft_vocab"))
         return None, settings
-    ids = _in_repo(probe, v.draft_ids)
     if ids.is_file():
         whose = "DRAFT_IDS" if "DRAFT_IDS" in v.explicit else "the list in this checkout"
         notes.append(f"the MTP draft head is built on first start from {v.draft_ids} ({whose})")
@@ -311,15 +365,31 @@ def _draft_head(v: Values, served: str, probe: Probe, settings: Mapping[str, Set
     return None, {**settings, "MTP_DRAFT_VOCAB": Setting(0, "plan", knobs.Rule(0, why=why))}
 
 
-def _has_draft_head(model_dir: Path) -> bool:
-    """The checkpoint names a draft head in config.json, which is what the engine loads (patches/
-    qwen3_5-mtp-draft-vocab.patch); prepared.json may still record one the fast variant dropped."""
+def _draft_head_rows(model_dir: Path) -> int | None:
+    """The rows of the draft head the checkpoint names in config.json, which is what the engine loads (patches/
+    qwen3_5-mtp-draft-vocab.patch; 0 when it does not say), or None: no head. prepared.json may still record one
+    the fast variant dropped."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and bool(config.get("draft_vocab") or
-                                             (config.get("text_config") or {}).get("draft_vocab"))
+        return None
+    if not isinstance(config, dict):
+        return None
+    entry = config.get("draft_vocab") or (config.get("text_config") or {}).get("draft_vocab")
+    if not entry:
+        return None
+    size = entry.get("size") if isinstance(entry, dict) else None
+    return size if isinstance(size, int) and size > 0 else 0
+
+
+def _id_list(path: Path) -> list:
+    """The ids of a draft-vocabulary file (a list, or {"ids": [...]}, as prepare/ writes it); [] if unreadable."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    ids = data.get("ids") if isinstance(data, dict) else data
+    return ids if isinstance(ids, list) else []
 
 
 def _check(v: Values, probe: Probe, key: str, require_files: bool, notes: list[str]) -> list[str]:
@@ -364,17 +434,12 @@ def _size_pool(v: Values, model: str, probe: Probe, notes: list[str],
     if kv_dtype != HUGE_KV:
         cache = memory.CacheShape(kv_dtype=kv_dtype, state_dtype=v.state_dtype, spec=v.spec,
                                   spec_tokens=_spec_tokens(v), prefix_cache=bool(v.prefix_cache),
-                                  async_scheduling=bool(v.async_sched), max_num_batched_tokens=batched_tokens or 8192)
-    weights = memory.weights_bytes(v.spec, fast_variant=(model == FAST_MODEL), vision=bool(v.vision))
+                                  async_scheduling=bool(v.async_sched), max_num_batched_tokens=batched_tokens or 8192,
+                                  tp=v.tp)
+    weights = memory.weights_bytes(v.spec, fast_variant=(model == FAST_MODEL), vision=bool(v.vision), tp=v.tp)
     kv_mem = v.kv_mem if isinstance(v.kv_mem, int) else None
     if v.kv_mem == "auto":
-        if probe.free_vram is None:
-            _refuse(f"KV_MEM=auto needs the free VRAM and {probe.vram_source}; set KV_MEM to bytes "
-                    "(5583457484 = 5.2 GiB) or leave it empty to size the pool from GPU_UTIL")
-        kv_mem = memory.auto_kv_mem(probe.free_vram, weights)
-        notes.append(f"KV_MEM=auto -> {kv_mem} bytes ({kv_mem / memory.GiB:.2f} GiB): {_gib(probe.free_vram)} free "
-                     f"- {_gib(weights)} weights - {_gib(memory.CUDAGRAPH_BYTES)} graphs - "
-                     f"{_gib(memory.ACTIVATION_PEAK_BYTES)} activation peak - {_gib(memory.AUTO_MARGIN_BYTES)} margin")
+        kv_mem = _auto_pool(v, probe, weights, notes)
     max_len = v.max_len
     len_explicit = "MAX_LEN" in v.explicit or (v.spec == "dflash2" and "DFLASH_MAX_LEN" in v.explicit)
     if cache and v.kv_mem == "auto" and not len_explicit and not cache.fits(kv_mem, max_len):
@@ -397,6 +462,30 @@ def _size_pool(v: Values, model: str, probe: Probe, notes: list[str],
     return Sized(model, max_len, kv_mem, kv_dtype, backend, batched_tokens), cache, weights
 
 
+def _auto_pool(v: Values, probe: Probe, weights: float, notes: list[str]) -> int:
+    """KV_MEM=auto: what the card with the least free VRAM leaves (vLLM gives every card the same pool)."""
+    cards = probe.gpus()
+    if not cards:
+        _refuse(f"KV_MEM=auto needs the free VRAM and {probe.vram_source}; set KV_MEM to bytes "
+                "(5583457484 = 5.2 GiB) or leave it empty to size the pool from GPU_UTIL")
+    if len(cards) < v.tp:
+        _refuse(f"TP={v.tp} needs {v.tp} cards and {probe.vram_source} sees {len(cards)}; set TP={len(cards)}, or make "
+                f"{v.tp} cards visible (CUDA_VISIBLE_DEVICES, docker-compose.yml's GPU count)")
+    free = min(f for f, _ in cards)
+    kv_mem = memory.auto_kv_mem(free, weights, tp=v.tp)
+    per = " per card" if v.tp > 1 else ""
+    comm = f" - {_gib(memory.TP_COMM_BYTES)} communicators" if v.tp > 1 else ""
+    notes.append(f"KV_MEM=auto -> {kv_mem} bytes ({kv_mem / memory.GiB:.2f} GiB{per}): {_gib(free)} free "
+                 f"- {_gib(weights)} weights - {_gib(memory.CUDAGRAPH_BYTES)} graphs - "
+                 f"{_gib(memory.ACTIVATION_PEAK_BYTES)} activation peak{comm} - {_gib(memory.AUTO_MARGIN_BYTES)} margin")
+    if len({f for f, _ in cards}) > 1 or len(cards) > v.tp:
+        listed = ", ".join(f"{_gib(f)}" for f, _ in cards)
+        notes.append(f"KV_MEM=auto: the {len(cards)} visible cards have {listed} free; the smallest ({_gib(free)}) "
+                     "decides, since vLLM gives every card the same pool"
+                     + (f" (TP={v.tp} uses {v.tp} of them: CUDA_VISIBLE_DEVICES picks which)" if len(cards) > v.tp else ""))
+    return kv_mem
+
+
 def _spec_tokens(v: Values) -> int:
     return {"mtp": v.draft_tokens, "dflash2": v.dflash_tokens}.get(v.spec, 0)
 
@@ -406,13 +495,30 @@ def _cache_lines(cache: memory.CacheShape, v: Values, sized: Sized) -> list[Deri
     lines = [Derived("block size", f"{cache.block_size} tokens",
                      "smallest multiple of 16 whose page holds one GDN state (vLLM hybrid alignment)"),
              Derived("KV groups", cache.groups, f"{cache.group_size} layers per group"),
-             Derived("state page per resident", _gib(cache.resident_bytes()),
+             Derived("state page per resident", _gib(cache.resident_bytes()) + _per_card(v.tp),
                      f"(1+k) GDN state pages, k={_spec_tokens(v)}"
                      + (", +1 for prefix caching" if v.prefix_cache else "")
                      + (", + the drafter's window" if v.spec == "dflash2" else ""))]
     if sized.kv_mem is not None:
         lines += _pool_lines(cache, sized.kv_mem, sized.max_len, v.max_seqs)
     return lines
+
+
+def _per_card(tp: int) -> str:
+    return " per card" if tp > 1 else ""
+
+
+def _card_lines(v: Values, model: str) -> list[Derived]:
+    """TP > 1: what each card holds besides its share of the pool."""
+    w = memory.weights(v.spec, fast_variant=(model == FAST_MODEL), vision=bool(v.vision))
+    whole = f" + {_gib(w.whole)} whole on every card (the DFlash2 drafter, the vision tower)" if w.whole else ""
+    return [Derived("cards", v.tp, "--tensor-parallel-size: each card holds 1/TP of the KV heads, the GDN state, "
+                                   "the linears and the vocabulary rows"),
+            Derived("weights per card", _gib(w.per_card(v.tp)), f"{_gib(w.split)} split {v.tp} ways{whole}"),
+            Derived("beside the pool per card", _gib(memory.beside_pool_bytes(v.tp)),
+                    f"{_gib(memory.CUDAGRAPH_BYTES)} graphs + {_gib(memory.ACTIVATION_PEAK_BYTES)} activation peak "
+                    f"(one card's figures, kept whole: an upper bound) + {_gib(memory.TP_COMM_BYTES)} communicators "
+                    "(an allowance, not measured)")]
 
 
 def _refuse(message: str) -> None:
@@ -424,9 +530,10 @@ def _gib(n: float) -> str:
 
 
 def _pool_lines(cache: memory.CacheShape, kv_mem: int, max_len: int, seats: int) -> list[Derived]:
+    per = _per_card(cache.tp)
     out = [Derived("pool", f"{cache.pool_tokens(kv_mem, max_len):,} tokens at {max_len:,} max-model-len",
-                   f"{kv_mem / memory.GiB:.2f} GiB / {cache.bytes_per_token(kv_mem, max_len) / 1024:.1f} KiB per "
-                   "token (vLLM 0.28.0's capacity arithmetic)"),
+                   f"{kv_mem / memory.GiB:.2f} GiB{per} / {cache.bytes_per_token(kv_mem, max_len) / 1024:.1f} KiB per "
+                   f"token{per} (vLLM 0.28.0's capacity arithmetic)"),
            Derived("longest context", f"{cache.longest_context(kv_mem):,} tokens", "one request alone in the pool")]
     for prompt in (128, 4096, 16384):
         n = cache.residents(kv_mem, prompt)
@@ -450,18 +557,29 @@ def explain_lines(plan: ServePlan, probe: Probe) -> list[str]:
     lines.append("# derived")
     for d in plan.derived:
         lines.append(f"{d.name:32} = {d.value!s:24} {d.why}")
-    lines.append("# this card")
-    if probe.free_vram is None:
+    tp = plan.value("TP")
+    cards = probe.gpus()
+    lines.append("# this card" if tp == 1 and len(cards) <= 1 else "# these cards")
+    if not cards:
         lines.append(f"{'free VRAM':32} = {'unknown':24} {probe.vram_source}")
     else:
-        lines.append(f"{'free VRAM':32} = {_gib(probe.free_vram):24} of {_gib(probe.total_vram or 0)} "
-                     f"({probe.vram_source}; what the desktop or WSL2 holds is already taken out)")
-        if plan.cache:
+        for i, (free, total) in enumerate(cards):
+            name = "free VRAM" if len(cards) == 1 else f"free VRAM, card {i}"
+            lines.append(f"{name:32} = {_gib(free):24} of {_gib(total)} "
+                         f"({probe.vram_source}; what the desktop or WSL2 holds is already taken out)")
+        if len(cards) < tp:
+            lines.append(f"{'cards':32} = {len(cards):<24} TP={tp} needs {tp}: vLLM will not start")
+        elif len({f for f, _ in cards}) > 1:
+            lines.append(f"{'card that decides':32} = {_gib(min(cards)[0]):24} the smallest free: every card gets "
+                         "the same pool")
+        if plan.cache and len(cards) >= tp:
             spec = plan.value("SPEC") if "SPEC" in plan.settings else "off"
-            weights = memory.weights_bytes(spec, fast_variant=FAST_MODEL in plan.argv[2], vision=bool(plan.value("VISION")))
-            fit = memory.auto_kv_mem(probe.free_vram, weights)
-            lines.append(f"{'KV_MEM=auto would pin':32} = {_gib(fit):24} free - weights - graphs - activation "
-                         f"peak - {_gib(memory.AUTO_MARGIN_BYTES)} margin")
+            weights = memory.weights_bytes(spec, fast_variant=FAST_MODEL in plan.argv[2],
+                                           vision=bool(plan.value("VISION")), tp=tp)
+            fit = memory.auto_kv_mem(min(cards)[0], weights, tp=tp)
+            comm = " - communicators" if tp > 1 else ""
+            lines.append(f"{'KV_MEM=auto would pin':32} = {_gib(fit) + _per_card(tp):24} free - weights - graphs - "
+                         f"activation peak{comm} - {_gib(memory.AUTO_MARGIN_BYTES)} margin")
             if fit > 0:
                 lines += [f"  {d.name:30} = {d.value!s:24} {d.why}"
                           for d in _pool_lines(plan.cache, fit, plan.value("MAX_LEN"), plan.value("MAX_SEQS"))]
@@ -480,6 +598,9 @@ def unchecked(plan: ServePlan, probe: Probe) -> list[tuple[str, str]]:
                             "checks the installed version and patch series")]
     if probe.free_vram is None:
         out.append(("GPU and free VRAM", probe.vram_source))
+    if plan.value("TP") > 1:
+        out.append((f"TP={plan.value('TP')} on GPUs", "no run of this project's has served TP > 1 yet: the per-card "
+                                                   "figures are the memory model's"))
     if not (_in_repo(probe, plan.served) / "config.json").is_file():
         out.append(("checkpoint contents", f"{plan.served} is not there yet; prepare_status checks it once it is"))
     return out

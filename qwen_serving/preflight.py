@@ -2,7 +2,7 @@
 its VRAM, free disk where the model goes, Python. Each check is one `PASS|WARN|FAIL name: message`
 line, and a FAIL says what to do.
 
-    python -m qwen_serving.preflight [--model-dir DIR] [--need-disk]
+    python -m qwen_serving.preflight [--model-dir DIR] [--need-disk] [--tp N]
 
 Standard library only; never imports torch or vllm. qwen_serving/start_server.sh runs it before the first-start
 steps when it is to serve; --dry-run, explain and --prepare do not, so they work on machines without a GPU.
@@ -11,10 +11,11 @@ steps when it is to serve; --dry-run, explain and --prepare do not, so they work
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,8 @@ def query_gpus() -> str:
     return subprocess.run(GPU_QUERY, capture_output=True, text=True, timeout=30, check=True).stdout
 
 
-def gpu_checks(query: Callable[[], str] = query_gpus) -> list[Check]:
+def gpu_checks(query: Callable[[], str] = query_gpus, tp: int = 1) -> list[Check]:
+    """The driver, and the VRAM of the card (TP=1) or of the TP cards the model is split across."""
     try:
         out = query()
     except FileNotFoundError:
@@ -59,22 +61,42 @@ def gpu_checks(query: Callable[[], str] = query_gpus) -> list[Check]:
             return [Check("FAIL", "gpu", f"cannot read nvidia-smi's line {row!r}")]
     if not gpus:
         return [Check("FAIL", "gpu", f"nvidia-smi lists no GPU: serving needs a 24 GB NVIDIA GPU, driver >= {MIN_DRIVER}")]
-    name, total, driver, major = max(gpus, key=lambda g: g[1])
+    if len(gpus) < tp:
+        return [Check("FAIL", "gpu", f"TP={tp} splits the model across {tp} cards and nvidia-smi lists {len(gpus)}: "
+                                     f"set TP={len(gpus)} or fewer, or add cards")]
+    name, total, driver, major = max(gpus, key=lambda g: g[1]) if tp == 1 else min(gpus, key=lambda g: g[1])
     checks = []
     if major < MIN_DRIVER:
         checks.append(Check("FAIL", "driver", f"{driver} is older than {MIN_DRIVER}, which the CUDA 13 wheels need: "
                                               f"install NVIDIA driver {MIN_DRIVER} or newer"))
     else:
         checks.append(Check("PASS", "driver", f"{driver}"))
+    if tp > 1:  # each card holds 1/TP of the weights: together they need what one card needs
+        if total * tp >= MIN_VRAM_BYTES:
+            checks.append(Check("PASS", "gpu", f"TP={tp}: {len(gpus)} cards, the smallest {name} with "
+                                               f"{total / 2**30:.1f} GiB"))
+        else:
+            checks.append(Check("WARN", "gpu", f"TP={tp}: the smallest card, {name}, has {total / 2**30:.1f} GiB; "
+                                               f"{tp} of it is below the 24 GB this is sized for: see what the plan "
+                                               "can seat with KV_MEM=auto and explain"))
+        return checks
     more = f" (largest of {len(gpus)})" if len(gpus) > 1 else ""
     if total >= MIN_VRAM_BYTES:
         checks.append(Check("PASS", "gpu", f"{name}, {total / 2**30:.1f} GiB{more}"))
     else:
+        split = f" (TP={len(gpus)})" if len(gpus) > 1 else " (TP=2 on two cards)"
         checks.append(Check("WARN", "gpu", f"{name} has {total / 2**30:.1f} GiB{more}, below the 24 GB this is sized "
                                            "for: the defaults will not fit; see what the plan can seat with "
-                                           "KV_MEM=auto and explain, or split across cards "
-                                           "(EXTRA_ARGS='--tensor-parallel-size 2')"))
+                                           f"KV_MEM=auto and explain, or split the model across cards{split}"))
     return checks
+
+
+def tp_from_env(env: Mapping[str, str]) -> int:
+    """The TP knob as start_server.sh exports it (the plan, which ran first, has refused a bad one); 1 if unset."""
+    try:
+        return max(1, int(env.get("TP") or 1))
+    except ValueError:
+        return 1
 
 
 def disk_check(model_dir: Path, need: int = MIN_DISK_BYTES) -> Check:
@@ -97,9 +119,9 @@ def python_check(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> Chec
                                    "apt-get install python3.12 python3.12-venv, or set PYTHON=/path/to/python3.12")
 
 
-def run(model_dir: Path | None = None, query: Callable[[], str] = query_gpus) -> list[Check]:
+def run(model_dir: Path | None = None, query: Callable[[], str] = query_gpus, tp: int = 1) -> list[Check]:
     """Every check; the disk only when model_dir (where a download would go) is given."""
-    checks = [python_check(), *gpu_checks(query)]
+    checks = [python_check(), *gpu_checks(query, tp)]
     if model_dir is not None:
         checks.append(disk_check(model_dir))
     return checks
@@ -110,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, default=Path(__file__).resolve().parents[1] / "models",
                     help="where the checkpoint goes (for the disk check)")
     ap.add_argument("--need-disk", action="store_true", help="check free disk (the model is still to download)")
+    ap.add_argument("--tp", type=int, default=None, help="cards the model is split across (default: the TP knob)")
     args = ap.parse_args(argv)
-    checks = run(args.model_dir if args.need_disk else None)
+    tp = args.tp if args.tp is not None else tp_from_env(os.environ)
+    checks = run(args.model_dir if args.need_disk else None, tp=tp)
     for check in checks:
         print(check.line())
     return 1 if any(c.level == "FAIL" for c in checks) else 0

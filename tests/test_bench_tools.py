@@ -165,80 +165,115 @@ def test_step_profile_without_any_server_notes_the_fallback(capsys):
     assert "note: no engine config" in capsys.readouterr().out
 
 
-def test_api_smoke_names_an_answer_without_text(monkeypatch):
-    # H200, the batch plan on random weights: the tool parser returned content null for a plain chat answer,
-    # and the stop and streaming checks failed with a TypeError instead of saying so
+def _smoke():
     sys.path.insert(0, str(BENCH))
     import api_smoke
 
-    message = {"role": "assistant", "content": None, "tool_calls": []}
-    monkeypatch.setattr(api_smoke.Api, "chat", lambda self, **body: {"choices": [{"message": message}]})
-    api = object.__new__(api_smoke.Api)
+    return api_smoke, object.__new__(api_smoke.Api)
+
+
+def _chat_by_body(answers):
+    """A fake Api.chat: the first answer whose key is in the request body (None: any body); records bodies."""
+    bodies = []
+
+    def chat(self, **body):
+        bodies.append(body)
+        key = next(k for k in answers if k is None or k in body)
+        content, finish = answers[key]
+        return {"choices": [{"message": {"content": content}, "finish_reason": finish}]}
+    return chat, bodies
+
+
+def _recording_stream(sent, events):
+    return lambda self, path, body: sent.append(body) or events
+
+
+def test_api_smoke_asks_again_under_a_regex_when_the_answer_has_no_text(monkeypatch):
+    # H200, the batch plan on random weights: the tool parser returned content null for a plain chat answer;
+    # stock-fp16state: the greedy answer decoded to ''. Both used to end the check in a SKIP
+    api_smoke, api = _smoke()
+    for plain in (None, ""):
+        chat, bodies = _chat_by_body({"structured_outputs": ("seabreezeharbour", "length"), None: (plain, "length")})
+        monkeypatch.setattr(api_smoke.Api, "chat", chat)
+        # the stop request, cut at "eha", answers with the text before it
+        monkeypatch.setattr(api_smoke.Api, "chat", lambda self, _chat=chat, **body: (
+            {"choices": [{"message": {"content": "seabreez"}, "finish_reason": "stop"}]} if "stop" in body
+            else _chat(self, **body)))
+        assert api_smoke.check_stop(api).endswith(api_smoke.CONSTRAINED)
+        assert bodies[-1]["structured_outputs"] == api_smoke.VISIBLE_TEXT["structured_outputs"]
+        monkeypatch.setattr(api_smoke.Api, "chat", chat)
+        sent = []
+        monkeypatch.setattr(api_smoke.Api, "stream", _recording_stream(sent, [
+            (None, {"choices": [{"delta": {"content": "seabreeze"}}]}),
+            (None, {"choices": [{"delta": {"content": "harbour"}}]}), (None, "[DONE]")]))
+        assert api_smoke.check_streaming(api) == "2 chunks, text equals the unstreamed answer" + api_smoke.CONSTRAINED
+        assert sent[-1]["structured_outputs"] == api_smoke.VISIBLE_TEXT["structured_outputs"]
+    # a server that gives no text even under the regex fails, it does not skip
+    chat, _ = _chat_by_body({None: ("", "length")})
+    monkeypatch.setattr(api_smoke.Api, "chat", chat)
     for check in (api_smoke.check_stop, api_smoke.check_streaming):
-        with pytest.raises(AssertionError, match="no text in the answer"):
-            if check is api_smoke.check_streaming:
-                monkeypatch.setattr(api_smoke.Api, "stream", lambda self, path, body: [(None, "[DONE]")])
+        with pytest.raises(AssertionError, match="even under the regex"):
             check(api)
+    # text in the plain answer: the plain request is the one checked (real weights)
+    chat, bodies = _chat_by_body({None: ("The sea is calm.", "stop")})
+    monkeypatch.setattr(api_smoke.Api, "chat", chat)
+    monkeypatch.setattr(api_smoke.Api, "stream", lambda self, path, body: [
+        (None, {"choices": [{"delta": {"content": "The sea is calm."}}]}), (None, "[DONE]")])
+    assert api_smoke.check_streaming(api) == "1 chunks, text equals the unstreamed answer"
+    assert all("structured_outputs" not in body for body in bodies)
+    monkeypatch.setattr(api_smoke.Api, "stream", lambda self, path, body: [(None, "[DONE]")])
+    with pytest.raises(AssertionError):  # streamed '' against the text: a real failure
+        api_smoke.check_streaming(api)
 
 
 def test_api_smoke_anthropic_stream_is_compared_with_the_unstreamed_answer(monkeypatch):
     # H200, the batch plan on random weights: the stream had no content_block_delta and the check said nothing
-    sys.path.insert(0, str(BENCH))
-    import api_smoke
-
-    api = object.__new__(api_smoke.Api)
+    api_smoke, api = _smoke()
     held_back = [("message_start", {}), ("content_block_start", {}), ("content_block_stop", {}),
                  ("message_delta", {}), ("message_stop", {})]
-    whole = held_back[:2] + [("content_block_delta", {"delta": {"type": "text_delta", "text": "x"}})] + held_back[2:]
+
+    def with_text(text):
+        return held_back[:2] + [("content_block_delta", {"delta": {"type": "text_delta", "text": text}})] + held_back[2:]
+
     bodies = []
 
-    def answer(text):
+    def answer(plain, constrained):
         def post(self, path, body):
             bodies.append((path, body))
-            return 200, {"content": [{"type": "text", "text": text}]}
+            return 200, {"content": [{"type": "text", "text": constrained if "output_config" in body else plain}]}
         return post
 
     monkeypatch.setattr(api_smoke.Api, "stream", lambda self, path, body: held_back)
-    monkeypatch.setattr(api_smoke.Api, "post", answer("x"))
+    monkeypatch.setattr(api_smoke.Api, "post", answer("x", "x"))
     with pytest.raises(AssertionError, match="streamed '' .*'content_block_start'.*unstreamed 'x'"):
         api_smoke.check_anthropic_stream(api)
     assert bodies[0] == ("/v1/messages", {"max_tokens": 16, "messages": api_smoke.PROMPT, "temperature": 0})
-    # H200, stock-fp16state (no tool parser): the greedy answer had no text, and neither had the stream
-    monkeypatch.setattr(api_smoke.Api, "post", answer(""))
-    with pytest.raises(api_smoke.Inconclusive, match="no text"):
+    # H200, stock-fp16state (no tool parser): the greedy answer had no text: asked again as a string of an enum
+    monkeypatch.setattr(api_smoke.Api, "post", answer("", '"Aarhus"'))
+    monkeypatch.setattr(api_smoke.Api, "stream", lambda self, path, body: with_text('"Aarhus"'))
+    assert api_smoke.check_anthropic_stream(api) == ("6 events, text equals the unstreamed answer"
+                                                     + api_smoke.CONSTRAINED)
+    assert bodies[-1][1]["output_config"] == api_smoke.VISIBLE_ANTHROPIC["output_config"]
+    monkeypatch.setattr(api_smoke.Api, "post", answer("", ""))
+    with pytest.raises(AssertionError, match="even under the output format"):
         api_smoke.check_anthropic_stream(api)
-    monkeypatch.setattr(api_smoke.Api, "stream", lambda self, path, body: whole)
-    with pytest.raises(AssertionError, match="streamed 'x'"):
-        api_smoke.check_anthropic_stream(api)
-    monkeypatch.setattr(api_smoke.Api, "post", answer("x"))
+    monkeypatch.setattr(api_smoke.Api, "post", answer("x", "x"))
+    monkeypatch.setattr(api_smoke.Api, "stream", lambda self, path, body: with_text("x"))
     assert api_smoke.check_anthropic_stream(api) == "6 events, text equals the unstreamed answer"
 
 
-def test_api_smoke_checks_without_anything_to_test_are_inconclusive(monkeypatch):
-    """What the H200's stock-fp16state server (random weights, no tool parser) answered: a greedy answer whose
-    tokens decode to no text, JSON that runs out of tokens in whitespace, HTTP 400 for a forced tool call."""
-    sys.path.insert(0, str(BENCH))
-    import api_smoke
-
-    api = object.__new__(api_smoke.Api)
-
-    def chat_answer(content, finish="length"):
-        return lambda self, **body: {"choices": [{"message": {"content": content}, "finish_reason": finish}]}
-
-    monkeypatch.setattr(api_smoke.Api, "chat", chat_answer(""))
-    monkeypatch.setattr(api_smoke.Api, "stream", lambda self, path, body: [
-        (None, {"choices": [{"delta": {"content": ""}}]}), (None, "[DONE]")])
-    for check in (api_smoke.check_stop, api_smoke.check_streaming):
-        with pytest.raises(api_smoke.Inconclusive):
-            check(api)
-    monkeypatch.setattr(api_smoke.Api, "chat", chat_answer("nonempty"))
-    with pytest.raises(AssertionError):  # streamed '' against 'nonempty': a real failure, not a skip
-        api_smoke.check_streaming(api)
-
-    monkeypatch.setattr(api_smoke.Api, "chat", chat_answer('{"city"' + " " * 80))
-    with pytest.raises(api_smoke.Inconclusive, match="whitespace run"):
-        api_smoke.check_structured(api)
-    monkeypatch.setattr(api_smoke.Api, "chat", chat_answer('{"city": "Aarhus", "coastal": tru'))
+def test_api_smoke_structured_and_tool_checks_on_whitespace_and_without_a_parser(monkeypatch):
+    """What the H200's servers answered on random weights: JSON that runs out of tokens in whitespace, HTTP 400
+    for a forced tool call without a tool parser, HTTP 500 from the batch plan."""
+    api_smoke, api = _smoke()
+    compact = '{"city":"Aarhus","coastal":true}'
+    chat, bodies = _chat_by_body({"structured_outputs": (compact, "stop"), None: ('{"city"' + " " * 80, "length")})
+    monkeypatch.setattr(api_smoke.Api, "chat", chat)
+    assert "asked again under a compact regex" in api_smoke.check_structured(api)
+    assert bodies[-1]["structured_outputs"] == api_smoke.COMPACT_TOWN["structured_outputs"]
+    assert "response_format" not in bodies[-1]  # with it vLLM would see two constraints
+    chat, _ = _chat_by_body({None: ('{"city": "Aarhus", "coastal": tru', "length")})
+    monkeypatch.setattr(api_smoke.Api, "chat", chat)
     with pytest.raises(AssertionError, match="before the object closed"):
         api_smoke.check_structured(api)
 
@@ -250,6 +285,16 @@ def test_api_smoke_checks_without_anything_to_test_are_inconclusive(monkeypatch)
     monkeypatch.setattr(api_smoke.Api, "post", lambda self, path, body: (500, {"error": {"message": ""}}))
     with pytest.raises(AssertionError, match="HTTP 500"):
         api_smoke.check_tool_call(api)
+
+    def tool_answer(arguments, finish):
+        call = {"function": {"name": "get_weather", "arguments": arguments}}
+        return lambda self, path, body: (200, {"choices": [{"message": {"tool_calls": [call]}, "finish_reason": finish}]})
+
+    monkeypatch.setattr(api_smoke.Api, "post", tool_answer('{"city"' + " " * 120, "length"))
+    with pytest.raises(AssertionError, match="disable_any_whitespace"):
+        api_smoke.check_tool_call(api)
+    monkeypatch.setattr(api_smoke.Api, "post", tool_answer('{"city": "Aarhus"}', "stop"))
+    assert api_smoke.check_tool_call(api) == "forced call get_weather({'city': 'Aarhus'})"
 
 
 def test_api_smoke_counts_only_failures_in_its_exit_code(monkeypatch, tmp_path, capsys):

@@ -47,7 +47,8 @@ EXAMPLES = [
     ("batch", {"INT8_LAYERS": "."}),
     ("batch", {"INT8_ACT": "off"}),
     ("batch", {"REQ_METRICS": "1", "API_SERVERS": "2", "HOST": "0.0.0.0", "VLLM_API_KEY": "k"}),
-    ("batch", {"GDN_PREFILL": "triton", "EXTRA_ARGS": "--tensor-parallel-size 2"}),
+    ("batch", {"GDN_PREFILL": "triton", "TP": "2", "EXTRA_ARGS": "--seed 1"}),
+    ("single", {"SPEC": "dflash2", "TP": "4"}),
     *[("single", {"CTX": ctx, "SPEC": spec}) for ctx in ("fast", "long", "huge") for spec in ("mtp", "dflash2", "off")],
     ("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15"}),
     ("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15", "CTX": "long"}),
@@ -88,8 +89,9 @@ def test_spec_examples_parse_through_vllm_serve(mode, env, probe, vllm_cli):
         assert ea.kv_cache_memory_bytes == p.kv_mem
     else:
         assert ea.gpu_memory_utilization == s["GPU_UTIL"]
+    assert ea.tensor_parallel_size == int(env.get("TP", "1"))
     if "EXTRA_ARGS" in env:
-        assert ea.tensor_parallel_size == 2
+        assert ea.seed == 1
 
 
 def test_prefix_cache_0_turns_off_what_0_28_turns_on(probe, vllm_cli):
@@ -209,6 +211,7 @@ def test_refuse_known_bad_combinations(probe):
     refused("single", {"CTX": "long", "DRAFT_TOKENS": "4"}, probe, "DRAFT_TOKENS=3")
     refused("single", {"REQ_METRICS": "1", "EXTRA_ARGS": "--disable-log-stats"}, probe, "drop one")
     refused("single", {"EXTRA_ARGS": "--api-key abc"}, probe, "VLLM_API_KEY")
+    refused("single", {"EXTRA_ARGS": "--tensor-parallel-size 2"}, probe, "set TP=2")
 
 
 @pytest.mark.parametrize("layers", ["mlp|linear_attn", "linear_attn|mlp", "linear_attn|mlp|mlp"])

@@ -23,6 +23,12 @@ Issue #15 ("First start that works") changed three things on purpose, each filte
 - False OKs (item 7): the old plan accepted CTX=huge / KV=kvarn (it only checked the cache dtype when it
   could read an installed vLLM) and an explicit MODEL that does not exist (only a note). Now they are
   refused before and after install: exactly the configurations in FALSE_OK went from rc 0 to rc 2.
+
+Issue #24 ("Two cards: TP=2 as a first-class setting") added the TP knob and changed two things, each
+asserted below: explain lists TP (`TP = 1 default`, dropped from the new output once, exactly), and the
+tensor-parallel size no longer travels in EXTRA_ARGS: the configuration that passed it there is refused
+with a pointer at TP (in FALSE_OK), and EXTRA_ARGS's one-line doc, which a refusal quotes, no longer
+suggests it (OLD_EXTRA_ARGS_DOC is replaced by the new doc in the old output).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from pathlib import Path
 
 import pytest
 
+from qwen_serving import knobs
 from tests.helpers.plan_render import CONFIGS, render
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "plan-render.json"
@@ -44,7 +51,10 @@ DRAFT_LINES = re.compile(r"build_draft_vocab|VLLM_MTP_DRAFT_VOCAB|^(note: )?MTP_
 NOT_CHECKED = "# not checked yet\n"
 FALSE_OK = {("single", "CTX", "huge"): "CTX=huge needs the KVarN long-context KV cache",
             ("batch", "KV", "kvarn"): "KV=kvarn needs the KVarN long-context KV cache",
-            ("single", "MODEL", "/no/such/dir"): "MODEL=/no/such/dir does not exist"}
+            ("single", "MODEL", "/no/such/dir"): "MODEL=/no/such/dir does not exist",
+            ("batch", "EXTRA_ARGS", "--tensor-parallel-size 2 --seed 1"): "drop it and set TP=2"}
+TP_LINE = re.compile(r"^TP += 1 +default\n", re.M)
+OLD_EXTRA_ARGS_DOC = "appended to the vllm argv as is (e.g. `--tensor-parallel-size 2`)"
 
 
 def false_ok(mode: str, env: dict[str, str]) -> str | None:
@@ -100,9 +110,12 @@ def test_rendering_is_unchanged(mode, env, before):
             dropped += n
             assert not STUBS.search(new[stream]), f"{action} {stream} still names a removed stub"
             new_text = new[stream]
+            old_text = old_text.replace(OLD_EXTRA_ARGS_DOC, knobs.BY_NAME["EXTRA_ARGS"].doc)
             if action == "explain" and stream == "stdout" and new["rc"] == 0:
                 new_text, cut = new_text.split(NOT_CHECKED)
                 assert cut.count("not checked yet") == len(cut.splitlines()) >= 1
+                new_text, tp_lines = TP_LINE.subn("", new_text)
+                assert tp_lines == 1, "explain lists TP once"
             old_text, old_lines = split_draft_lines(old_text)
             new_text, new_lines = split_draft_lines(new_text)
             draft_old += old_lines

@@ -105,7 +105,7 @@ def test_branch_scales_stay_fp16_normal_at_full_size():
     scale a normal fp16 number: a scale of 0.01 on one matrix would have put them below 6.1e-5."""
     d = synth.REAL
     down = synth.Int4Linear("model.language_model.layers.1.mlp.down_proj", d.hidden, d.intermediate)
-    values = scripted._branch_values(0, down, scripted.BRANCH_SCALE**0.5, torch.device("cpu"))
+    values = scripted.branch_values(0, down, scripted.BRANCH_SCALE**0.5, torch.device("cpu"))
     scales = values[f"{down.module}.weight_scale"].float().abs()
     assert float(scales.min()) >= torch.finfo(torch.float16).tiny
 

@@ -1,10 +1,11 @@
 """bench/gpu/scripted_mtp.py without a GPU: its servers (first wave and sweep) through vLLM 0.28.0's own `vllm
 serve` parser, the acceptance maths (probabilistic drafts against a simulation of vLLM's rule, greedy drafts against
 the reference's markov_acceptance, the exact greedy walk by hand), the prediction on the tiny scripted checkpoint
-(with its reference check and chi-square rows), and the measurements end to end against fake vLLM servers on
-loopback (completions with n samples drawn by vLLM's rule on the reference rows, a prefix cache, a profiler that
-writes a trace), whose /metrics pages are the recorded one with the counters they keep; a deliberately wrong
-acceptance fails its check, and so does a fake that samples from the wrong distribution."""
+(with its reference check), and the measurements end to end against fake vLLM servers on loopback (sampled answers
+drawn from the checkpoint's context-free table, a prefix cache, a profiler that writes a trace), whose /metrics
+pages are the recorded one with the counters they keep; the chi-square rows from the tiny reference over the
+fakes' samples; a deliberately wrong acceptance fails its check, and so does a fake that always samples the
+chain (the likeliest token)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,14 @@ import torch
 from bench import fullbench as fb
 from bench import scripted_chisq as sc
 from qwen_serving.checkpoint import scripted, synth
-from qwen_serving.checkpoint.scripted_reference import DEFAULT_SAMPLING, Reference, markov_acceptance, markov_inputs
+from qwen_serving.checkpoint.scripted_reference import (
+    DEFAULT_SAMPLING,
+    Reference,
+    Sampling,
+    markov_acceptance,
+    markov_inputs,
+    sampling_probs,
+)
 from qwen_serving.plan import Probe
 from tests.helpers.fake_http import send_json
 
@@ -180,9 +188,6 @@ def test_prediction_from_the_tiny_checkpoint(tiny, prediction):
     check = prediction["reference_check"]
     assert check["argmax_is_chain"] == check["positions"] == sm.REFERENCE_CHECK_TOKENS
     assert check["first_off_chain"] is None and check["wobble_std"] > 0.01 and check["min_top_gap"] > 0.8
-    chisq = prediction["chisq"]
-    assert chisq["prompt"] == sm.chisq_prompt(design) and chisq["nucleus_margin"] > 0.01
-    assert len(chisq["rows"]) == sum(3**d for d in range(sc.DEPTH))
 
 
 # ---------------------------------------------------------------- end to end against fake servers
@@ -196,10 +201,10 @@ class FakeVllm(http.server.ThreadingHTTPServer):
     DRAFTS_PER_ANSWER = 1000
 
     def __init__(self, design: scripted.Design, greedy_rates: list[float] | None, rates: list[float] | None,
-                 logit_noise: float = 0.0, *, rows: sc.Rows, trace_dir: Path, broken_sampler: bool = False):
+                 logit_noise: float = 0.0, *, table: torch.Tensor, trace_dir: Path, broken_sampler: bool = False):
         self.design, self.greedy_rates, self.rates, self.noise = design, greedy_rates, rates, logit_noise
         self.spec = greedy_rates is not None
-        self.rows, self.trace_dir, self.broken = rows, trace_dir, broken_sampler
+        self.table, self.trace_dir, self.broken = table, trace_dir, broken_sampler
         self.lock = threading.Lock()
         self.counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * sm.K, "tpot": [0.0, 0],
                        "hits": 0, "requests": 0}
@@ -220,9 +225,9 @@ class FakeVllm(http.server.ThreadingHTTPServer):
                     fake.control(self.path)
                     send_json(self, {})
                     return
-                if body.get("n", 1) > 1:  # the chi-square batches: samples by vLLM's rule (or a broken one)
-                    send_json(self, {"choices": [{"index": i, "text": "x", "token_ids": t}
-                                                 for i, t in enumerate(fake.samples(body["n"]))]})
+                if body["temperature"] == sc.SAMPLING["temperature"] and not body.get("stream"):  # chi-square
+                    send_json(self, {"choices": [{"index": 0, "text": "x",
+                                                  "token_ids": fake.sample(body["prompt"][-1], body["max_tokens"])}]})
                     return
                 prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
                 fake.cache(prompts)
@@ -264,12 +269,18 @@ class FakeVllm(http.server.ThreadingHTTPServer):
                     self.counts["hits"] += len(p)
                 self.cached.add(tuple(p))
 
-    def samples(self, n: int) -> list[list[int]]:
+    def sample(self, last: int, n: int) -> list[int]:
+        """n tokens from the context-free table at sc.SAMPLING (the broken fake: always the likeliest)."""
         with self.lock:
             self.counts["requests"] += 1
-            seed = self.counts["requests"]
-        return sc.simulate(self.rows, self.design.mtp_proposal, sm.K if self.spec else 0, n, seed,
-                           broken=self.broken)
+            gen = torch.Generator().manual_seed(self.counts["requests"])
+        index = {t: i for i, t in enumerate(self.design.active)}
+        out = []
+        for _ in range(n):
+            row = self.table[index[last]]
+            last = self.design.active[int(row.argmax() if self.broken else torch.multinomial(row, 1, generator=gen))]
+            out.append(last)
+        return out
 
     def count(self, answers: int, greedy: bool) -> None:
         with self.lock:
@@ -334,13 +345,15 @@ def fakes(tiny, prediction, tmp_path):
                                      sm.MAX_TOKENS)["acceptance_per_position"]
     wrong = list(prediction["acceptance_per_position"]["default_probabilistic_drafts"])
     wrong[2] += 0.05  # the patched server's fake accepts 5 points too many at the third position
-    rows = sc.rows_from_json(prediction["chisq"]["rows"])
+    ref = Reference(tiny)
+    active = torch.tensor(design.active)
+    table = sampling_probs(ref.context_free_logits(design.active), Sampling(**sc.SAMPLING))[:, active].float()
     traces = tmp_path / "out"
-    servers = {"scripted-stock": FakeVllm(design, None, None, rows=rows, trace_dir=traces / "traces-scripted-stock"),
+    servers = {"scripted-stock": FakeVllm(design, None, None, table=table, trace_dir=traces / "traces-scripted-stock"),
                "scripted-stock-mtp4": FakeVllm(design, walk, prediction["acceptance_per_position"][
-                   "default_greedy_drafts"], logit_noise=0.01, rows=rows,
+                   "default_greedy_drafts"], logit_noise=0.01, table=table,
                    trace_dir=traces / "traces-scripted-stock-mtp4"),
-               "scripted-patched-mtp4": FakeVllm(design, walk, wrong, rows=rows, broken_sampler=True,
+               "scripted-patched-mtp4": FakeVllm(design, walk, wrong, table=table, broken_sampler=True,
                                                  trace_dir=traces / "traces-scripted-patched-mtp4")}
     for server in servers.values():
         threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -350,7 +363,7 @@ def fakes(tiny, prediction, tmp_path):
         server.server_close()
 
 
-def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, fakes, tmp_path):
+def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, fakes, tmp_path, monkeypatch):
     import argparse
 
     import run_full
@@ -360,6 +373,7 @@ def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, 
                               budget_s=sm.DEFAULT_BUDGET_S)
     rec = sm.start_record(tmp_path / sm.REPORT, args, {"PYTHONPATH": str(REPO)})
     rec.data["prediction"] = prediction
+    monkeypatch.setattr(sm, "CHISQ_TOKENS", 4 * sm.CHISQ_ANSWER)  # 4 answers; the GPU run sends 196
     prompts = sm.make_prompts(design)
     prompts = dataclasses.replace(prompts, sampled=prompts.sampled[:4], c1=prompts.c1[:2])
     greedy = prompts.greedy
@@ -370,6 +384,12 @@ def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, 
         server = run_full.Server(cfg, _command(cfg, port, tiny), port, "", tmp_path / f"{name}.log")
         sm.measure_one(server, rec, prompts, sm.default_sampling(tiny), lambda limit: limit, out)
     assert not rec.data["errors"], rec.data["errors"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ref = Reference(tiny)
+    for name in rec.samples:  # what the --chisq-rows child computes once the servers are down
+        rec.rows[name] = sc.position_rows(ref, prompts.chisq, rec.samples[name])
+    torch.set_num_threads(threads)
     assert sm.finish(rec, design, greedy) is False  # the wrong acceptance and the broken sampler
     data = json.loads((tmp_path / sm.REPORT).read_text())
     for key in ("schema", "date", "gpu", "versions", "patches", "checkpoint", "k", "prediction", "measurements",
@@ -388,18 +408,18 @@ def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, 
     assert mtp["c1"]["ms_per_step"] == pytest.approx(10.0 * mtp["c1"]["spec"]["tokens_per_step"])
     checks = data["checks"]
     failed = sorted(name for name, check in checks.items() if not check["passed"])
-    assert failed == [f"scripted-patched-mtp4: chi-square of {sc.DEPTH}-token samples against the reference",
+    assert failed == ["scripted-patched-mtp4: chi-square of the sampled tokens' ranks against the reference",
                       "scripted-patched-mtp4: default-sampling acceptance per position = prediction "
                       "(default_probabilistic_drafts)"]
     wrong = checks[failed[1]]
     assert wrong["difference"][2] == pytest.approx(0.05, abs=1e-3) and wrong["within"] == sm.ACCEPTANCE_WITHIN
-    # reference; chain x3; identity, logits, greedy walk x2; sampled x2; chi-square x2 and its power; prefix x2
-    assert len(checks) == 1 + 3 + 2 * 3 + 2 + 2 + 1 + 2
-    for name in ("scripted-stock",):
-        chisq = checks[f"{name}: chi-square of {sc.DEPTH}-token samples against the reference"]
-        assert chisq["passed"] and chisq["tokens"] >= sm.CHISQ_TOKENS, chisq
-        assert (tmp_path / f"{name}-chisq-samples.json").exists()
-    assert checks["chi-square has the power to see a broken rejection rule (simulated on the same rows)"]["passed"]
+    # reference; chain x3; identity, logits, greedy walk x2; sampled x2; chi-square x2; prefix x2
+    assert len(checks) == 1 + 3 + 2 * 3 + 2 + 2 + 2
+    chisq = checks["scripted-stock: chi-square of the sampled tokens' ranks against the reference"]
+    assert chisq["tokens"] == sm.CHISQ_TOKENS and chisq["outside_support"] == 0 and chisq["ranks"] == 3, chisq
+    assert (tmp_path / "scripted-stock-chisq-samples.json").exists()
+    broken = checks["scripted-patched-mtp4: chi-square of the sampled tokens' ranks against the reference"]
+    assert broken["observed"][0] == broken["tokens"] and broken["p_value"] < 1e-6  # always the likeliest token
     prefix = checks["scripted-stock: a cache hit gives the same tokens and raw logits"]
     assert prefix["hit_tokens"] == [0, len(prompts.prefix)] and prefix["same_tokens"]
     for name in fakes:

@@ -10,9 +10,10 @@ what the weights predict, then the k sweep (SCRIPTED_SWEEP) boots, one wave per 
   chain, top-20 raw logits within bf16 noise, and vLLM's per-position acceptance equal to the exact greedy walk;
 - default sampling (the checkpoint's generation_config): per-position acceptance from vLLM's /metrics against
   the Markov prediction (greedy drafts for stock, vLLM's probabilistic drafts for the patched plan), within 3 points;
-- chi-square (bench.scripted_chisq): >= 1e5 tokens at temperature 1, top-k 20, top-p 0.95 after one prompt, against
-  the reference's exact distribution at every context, MTP on and off; a broken rejection rule simulated on the
-  same rows must fail the same test;
+- chi-square (bench.scripted_chisq.rank_test): >= 1e5 tokens sampled at temperature 1, top-k 20, top-p 0.95 as
+  512-token answers, MTP on and off, against the exact distribution before every sampled token (the reference over
+  the sampled sequences, once the wave's servers are down; tests/test_scripted_chisq.py shows a broken rejection
+  rule failing the same test);
 - prefix caching: a 3,000-token prompt answered cold and from the cache, the same tokens and raw logits;
 - C1: decode tok/s, tokens per step and ms per step, from streamed answers and the server's own counters; and a
   profiled C1 window (torch profiler trace, gzipped under OUT/profiles/) for the step breakdown of issue #17.
@@ -69,8 +70,8 @@ C1_REQUESTS = 3
 SEEDS = {"greedy": 0, "sampled": 1000, "c1": 2000, "chisq": 3000, "prefix": 4000}  # no prompt sent twice
 TPOT = "vllm:request_time_per_output_token_seconds"
 BASELINE = "scripted-stock"  # the greedy answers every speculating server is compared with
-CHISQ_TOKENS = 100_000  # the issue's floor: samples of sc.DEPTH tokens, n per request, a few requests in flight
-CHISQ_N, CHISQ_IN_FLIGHT = 32, 4
+CHISQ_TOKENS = 100_000  # the issue's floor, as 512-token answers (196 requests), the seats full
+CHISQ_ANSWER, CHISQ_CONCURRENCY = 512, 16
 CHISQ_PROMPT_LEN = 24
 PREFIX_SEGMENTS, PREFIX_SEGMENT_LEN, PREFIX_ANSWER = 50, 60, 32  # a 3,008-token prompt, 32 greedy tokens
 PROFILE_TOKENS = 48
@@ -78,6 +79,7 @@ PROFILE_TOKENS = 48
 PROFILE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "user_annotation", "gpu_user_annotation",
                                 "cuda_runtime", "cuda_driver"})
 REFERENCE_CHECK_TOKENS = 64  # the float32 reference along the first greedy prompt and its chain
+PREDICT_GRACE_S = 60  # after the first wave is up, how long measuring waits for the prediction
 # what each server measures beyond greedy, sampled (speculating servers) and c1
 # (stock's greedy-draft rule is the CPU test's; the GPU run samples MTP off and the product's probabilistic drafts)
 EXTRA_PARTS = {"scripted-stock": ("chisq", "prefix", "profile"), "scripted-stock-mtp4": ("profile",),
@@ -89,6 +91,7 @@ PREFILL_AB_LENS = "1024,3072"  # within SCRIPTED_MAX_LEN
 SWEEP_SERVER_S = 60  # a sweep server's greedy, sampled and C1 parts
 # time limits (s); budget: the whole run, from start to the last server stopped
 LIMITS = {"synth": 420, "predict": 600, "boot": 600, "greedy": 240, "sampled": 300, "c1": 240, "chisq": 240,
+          "chisq_rows": 300,
           "prefix": 120, "profile": 120, "quality": 120, "real_rep": 150, "prefill_ab": 180, "stop": 60}
 DEFAULT_BUDGET_S = 1380  # a 30-minute session less staging (~5 min), polling and packing
 
@@ -167,7 +170,6 @@ def predict(ckpt: Path, device: str) -> dict:
     greedy_next = inputs["greedy"][0].argmax(-1).tolist()
     proposal = inputs["greedy"][1].tolist()
     check = reference_check(ref, design)
-    rows, margin = sc.support_tree(ref, chisq_prompt(design))
     return {
         "checkpoint": str(ckpt), "device": device, "mtp_agree": design.mtp_agree,
         "default_sampling": vars(default), "k": K,
@@ -180,15 +182,24 @@ def predict(ckpt: Path, device: str) -> dict:
         "mtp_proposal": {str(t): (design.active[j] if j >= 0 else -1)
                          for t, j in zip(design.active, proposal, strict=True)},
         "reference_check": check,
-        "chisq": {"prompt": chisq_prompt(design), "sampling": sc.SAMPLING, "depth": sc.DEPTH,
-                  "nucleus_margin": margin, "rows": sc.rows_to_json(rows)},
         "seconds": round(time.time() - t0, 1),
     }
 
 
-def chisq_prompt(design) -> list[int]:
-    """A chain walk: the chi-square samples' fixed context."""
-    return design.walk(design.active[SEEDS["chisq"] % len(design.active)], CHISQ_PROMPT_LEN - 1)
+def chisq_prompts(design) -> list[list[int]]:
+    """Chain walks from spaced points of the cycle: the chi-square answers' prompts."""
+    count = -(-CHISQ_TOKENS // CHISQ_ANSWER)
+    n = len(design.active)
+    return [design.walk(design.active[(SEEDS["chisq"] + i * (n // count or 1)) % n], CHISQ_PROMPT_LEN - 1)
+            for i in range(count)]
+
+
+def chisq_rows(ckpt: Path, samples_path: Path, device: str) -> list[list[dict[int, float]]]:
+    """The exact distribution before every sampled token of a chi-square run (the --chisq-rows child)."""
+    from qwen_serving.checkpoint import scripted_reference as sr
+
+    run = json.loads(samples_path.read_text())
+    return sc.position_rows(sr.Reference(ckpt, device), run["prompts"], run["samples"])
 
 
 def reference_check(ref, design) -> dict:
@@ -394,22 +405,20 @@ def measure_c1(client: serving.Client, model: str, prompts: Sequence[list[int]],
     return out
 
 
-def measure_chisq(client: serving.Client, model: str, prompt: list[int]) -> dict:
-    """CHISQ_TOKENS sampled tokens after `prompt` at sc.SAMPLING, sc.DEPTH per sample, CHISQ_N samples a request."""
-    samples_needed = -(-CHISQ_TOKENS // sc.DEPTH)
-    requests = -(-samples_needed // CHISQ_N)
-    body = {"model": model, "prompt": prompt, "max_tokens": sc.DEPTH, "n": CHISQ_N, "ignore_eos": True,
-            "return_token_ids": True, **sc.SAMPLING}
+def measure_chisq(client: serving.Client, model: str, prompts: Sequence[list[int]]) -> dict:
+    """One CHISQ_ANSWER-token answer per prompt at sc.SAMPLING, CHISQ_CONCURRENCY in flight."""
     before = metrics(client)
     t0 = time.monotonic()
     deadline = t0 + LIMITS["chisq"]
 
-    def one(_):
+    def one(prompt):
+        body = {"model": model, "prompt": prompt, "max_tokens": CHISQ_ANSWER, "ignore_eos": True,
+                "return_token_ids": True, **sc.SAMPLING}
         answer = client.post_json("/v1/completions", body, timeout_s=max(1.0, deadline - time.monotonic()))
-        return [c["token_ids"] for c in answer["choices"]]
+        return answer["choices"][0]["token_ids"]
 
-    with ThreadPoolExecutor(max_workers=CHISQ_IN_FLIGHT) as pool:
-        samples = [s for batch in pool.map(one, range(requests)) for s in batch]
+    with ThreadPoolExecutor(max_workers=CHISQ_CONCURRENCY) as pool:
+        samples = list(pool.map(one, prompts))
     return {"seconds": round(time.monotonic() - t0, 2), "samples": samples, "sampling": dict(sc.SAMPLING),
             "spec": spec_delta(before, metrics(client))}
 
@@ -474,16 +483,19 @@ class Record:
 
     def __init__(self, path: Path, data: dict):
         self.path, self.data = path, data
+        self.t0 = time.monotonic()
         self.traces: dict[str, list[smoke_lib.GreedyTrace]] = {}  # greedy answers by server (own files: ~3 MB each)
         self.samples: dict[str, list[list[int]]] = {}  # chi-square samples by server (own files)
+        self.rows: dict[str, list[list[dict[int, float]]]] = {}  # the reference before each sampled token
 
     def keep_traces(self, name: str, records: list[dict]) -> None:
         self.traces[name] = [smoke_lib.GreedyTrace.from_record(r) for r in records]
         serving.write_json_atomic(self.path.with_name(f"{name}-greedy.json"), records)
 
-    def keep_samples(self, name: str, samples: list[list[int]]) -> None:
+    def keep_samples(self, name: str, prompts: list[list[int]], samples: list[list[int]]) -> None:
         self.samples[name] = samples
-        serving.write_json_atomic(self.path.with_name(f"{name}-chisq-samples.json"), samples)
+        serving.write_json_atomic(self.path.with_name(f"{name}-chisq-samples.json"),
+                                  {"prompts": prompts, "samples": samples})
 
     def save(self) -> None:
         serving.write_json_atomic(self.path, self.data)
@@ -552,7 +564,7 @@ def waves(args: argparse.Namespace, out: Path) -> list[list[run_full.Server]]:
 
 
 def judge(rec: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], samples: Mapping[str, list[list[int]]],
-          design, greedy_prompts: list[dict]) -> dict:
+          rows: Mapping[str, list[list[dict[int, float]]]], design, greedy_prompts: list[dict]) -> dict:
     """Every check that the measurements so far allow, with its numbers."""
     meas, pred = rec["measurements"], rec.get("prediction") or {}
     checks: dict = {}
@@ -571,7 +583,6 @@ def judge(rec: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], samples:
         checks["reference: the float32 forward of the written weights follows the designed chain"] = {
             "passed": check["argmax_is_chain"] == check["positions"],
             **{key: v for key, v in check.items() if key != "top"}}
-    rows = sc.rows_from_json(pred["chisq"]["rows"]) if pred.get("chisq") else None
     for name, m in meas.items():
         k = m.get("k", K)
         greedy = m.get("greedy")
@@ -592,20 +603,14 @@ def judge(rec: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], samples:
             which = f"default_{m['draft_sample']}_drafts"
             checks[f"{name}: default-sampling acceptance per position = prediction ({which})"] = compare_acceptance(
                 sampled["spec"]["per_position_acceptance"], default)
-        if name in samples and rows is not None:
-            checks[f"{name}: chi-square of {sc.DEPTH}-token samples against the reference"] = sc.chi_square(
-                samples[name], rows)
+        if name in samples and name in rows:
+            checks[f"{name}: chi-square of the sampled tokens' ranks against the reference"] = sc.rank_test(
+                samples[name], rows[name])
         prefix = m.get("prefix")
         if prefix:
             checks[f"{name}: a cache hit gives the same tokens and raw logits"] = {
                 "passed": prefix["same_tokens"] and prefix["logits"]["passed"] and prefix["hit_tokens"][1] > 0,
                 **prefix}
-    if rows is not None and pred.get("mtp_proposal") and samples:
-        proposal = {int(t): v for t, v in pred["mtp_proposal"].items()}
-        n = max(len(v) for v in samples.values())
-        broken = sc.chi_square(sc.simulate(rows, lambda t: proposal.get(t, -1), K, n, seed=1, broken=True), rows)
-        checks["chi-square has the power to see a broken rejection rule (simulated on the same rows)"] = {
-            **broken, "passed": not broken["passed"]}
     return checks
 
 
@@ -630,7 +635,7 @@ def start_record(path: Path, args: argparse.Namespace, env: Mapping[str, str]) -
 
 def finish(rec: Record, design, greedy_prompts: list[dict]) -> bool:
     """The checks over everything measured; passed when there are some and all pass."""
-    rec.data["checks"] = judge(rec.data, rec.traces, rec.samples, design, greedy_prompts)
+    rec.data["checks"] = judge(rec.data, rec.traces, rec.samples, rec.rows, design, greedy_prompts)
     rec.data["passed"] = bool(rec.data["checks"]) and all(c["passed"] for c in rec.data["checks"].values())
     rec.save()
     return rec.data["passed"]
@@ -682,6 +687,43 @@ def wave_tools(servers: Mapping[str, run_full.Server], rec: Record, out: Path, e
         log(f"{part}: rc {tools[part]['rc']}")
 
 
+def take_prediction(rec: Record, predictor: subprocess.Popen, path: Path, wait_s: float = 0.0) -> None:
+    """The prediction into the report once the child has written it (waiting up to wait_s); an exit without it
+    is an error."""
+    if rec.data.get("prediction") is not None:
+        return
+    try:
+        predictor.wait(timeout=max(wait_s, 0.01))
+    except subprocess.TimeoutExpired:
+        return
+    if path.exists():
+        rec.data["prediction"] = json.loads(path.read_text())
+        rec.data["phases_s"]["prediction ready"] = round(time.monotonic() - rec.t0, 1)
+        log("prediction: " + json.dumps(rec.data["prediction"]["acceptance_per_position"]))
+        log("reference: " + json.dumps({k: v for k, v in rec.data["prediction"]["reference_check"].items()
+                                        if k != "top"}))
+    else:
+        rec.data["errors"]["prediction"] = f"exit {predictor.returncode} (see prediction.log)"
+    rec.save()
+
+
+def chisq_reference(rec: Record, out: Path, env: Mapping[str, str], args: argparse.Namespace,
+                    left: Callable[[float], float]) -> None:
+    """The --chisq-rows child for each server's samples, within its limit; the rows kept for the checks."""
+    for name in list(rec.samples):
+        rows_path = out / f"{name}-chisq-rows.json"
+        t0 = time.monotonic()
+        try:
+            subprocess.run([args.python, str(Path(__file__).resolve()), "--chisq-rows",
+                            str(out / f"{name}-chisq-samples.json"), str(rows_path), "--ckpt", str(args.ckpt),
+                            "--device", args.device], cwd=REPO, env=dict(env), check=True,
+                           timeout=left(LIMITS["chisq_rows"]) or 1, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            rec.rows[name] = [[{int(t): p for t, p in row} for row in seq] for seq in json.loads(rows_path.read_text())]
+        except (subprocess.SubprocessError, OSError, ValueError) as err:
+            rec.data["errors"][f"{name}: chisq rows"] = f"{type(err).__name__}: {str(err)[-1500:]}"
+        rec.phase(f"{name}: chisq rows", time.monotonic() - t0)
+
+
 def run(args: argparse.Namespace) -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -718,7 +760,7 @@ def run(args: argparse.Namespace) -> int:
         rec.data["errors"]["checkpoint"] = f"{args.ckpt} has --mtp-agree {design.mtp_agree}, not {args.agree}"
     rec.data["prompts"] = {"greedy": [{k: p[k] for k in ("kind", "seed")} | {"tokens": len(p["ids"])}
                                       for p in prompts.greedy], "sampled": len(prompts.sampled),
-                           "c1": len(prompts.c1), "max_tokens": MAX_TOKENS, "chisq": prompts.chisq,
+                           "c1": len(prompts.c1), "max_tokens": MAX_TOKENS, "chisq": len(prompts.chisq),
                            "prefix_tokens": len(prompts.prefix)}
     rec.phase("checkpoint", time.monotonic() - t0)
 
@@ -741,25 +783,14 @@ def run(args: argparse.Namespace) -> int:
                     continue
             t_boot = time.monotonic()
             boot(servers, rec, out, left(LIMITS["boot"]))
-            if index == 0:
-                try:
-                    predictor.wait(timeout=left(LIMITS["predict"]) or 1)
-                except subprocess.TimeoutExpired:
-                    predictor.kill()
-                    predictor.wait(timeout=30)
-                if predict_out.exists():
-                    rec.data["prediction"] = json.loads(predict_out.read_text())
-                    log("prediction: " + json.dumps(rec.data["prediction"]["acceptance_per_position"]))
-                    log("reference: " + json.dumps({k: v for k, v in rec.data["prediction"]["reference_check"].items()
-                                                    if k != "top"}))
-                else:
-                    rec.data["errors"]["prediction"] = f"exit {predictor.returncode} (see prediction.log)"
-                rec.phase("prediction", time.monotonic() - t_boot)
+            if index == 0:  # measuring starts now; the prediction joins the report when it is written
+                take_prediction(rec, predictor, predict_out, wait_s=min(PREDICT_GRACE_S, left(LIMITS["predict"])))
             boot_s = time.monotonic() - t_boot
             rec.phase(f"boot wave {index}", boot_s)
             for s in servers:
                 if s.state == "up":
                     measure_one(s, rec, prompts, sampling, left, out, sweep=index > 0)
+                take_prediction(rec, predictor, predict_out)
                 finish(rec, design, prompts.greedy)
             # the tools only where the patched sweep still fits after them
             sweep_need = boot_s + len(all_waves[1]) * SWEEP_SERVER_S if len(all_waves) > 1 else 0
@@ -771,9 +802,14 @@ def run(args: argparse.Namespace) -> int:
             for s in servers:
                 s.stop()
                 rec.data["servers"][s.cfg.name]["log_tail"] = s.log_tail(40)
+            if index == 0:  # the GPU is free: the prediction's end, the reference before every chi-square token
+                take_prediction(rec, predictor, predict_out, wait_s=left(LIMITS["predict"]))
+                chisq_reference(rec, out, env, args, left)
+                finish(rec, design, prompts.greedy)
     finally:
         if predictor.poll() is None:
             predictor.kill()
+            rec.data["errors"]["prediction"] = "killed unfinished at the end of the run (see prediction.log)"
         for servers in all_waves:
             for s in servers:
                 s.stop()
@@ -818,7 +854,7 @@ class Prompts:
     greedy: list[dict]
     sampled: list[list[int]]
     c1: list[list[int]]
-    chisq: list[int]
+    chisq: list[list[int]]
     prefix: list[int]
 
 
@@ -830,7 +866,7 @@ def make_prompts(design) -> Prompts:
     return Prompts(greedy=prompts_for(design, "greedy", GREEDY_PROMPTS),
                    sampled=[p["ids"] for p in prompts_for(design, "sampled", SAMPLED_REQUESTS)],
                    c1=[p["ids"] for p in prompts_for(design, "c1", C1_REQUESTS)],
-                   chisq=chisq_prompt(design), prefix=prefix["ids"])
+                   chisq=chisq_prompts(design), prefix=prefix["ids"])
 
 
 def measure_one(server: run_full.Server, rec: Record, prompts: Prompts, sampling: dict,
@@ -865,7 +901,7 @@ def measure_one(server: run_full.Server, rec: Record, prompts: Prompts, sampling
             if part == "greedy":
                 rec.keep_traces(name, m[part].pop("traces"))
             elif part == "chisq":
-                rec.keep_samples(name, m[part].pop("samples"))
+                rec.keep_samples(name, prompts.chisq, m[part].pop("samples"))
         except Exception as err:  # a failed part is recorded; the other parts and servers still run
             rec.data["errors"][f"{name}: {part}"] = f"{type(err).__name__}: {str(err)[:1500]}"
         rec.phase(f"{name}: {part}", time.monotonic() - t0)
@@ -884,11 +920,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="where the prediction runs (default %(default)s)")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="the whole run (default %(default)s)")
     p.add_argument("--predict", type=Path, metavar="FILE", help="only write the prediction for --ckpt to FILE")
+    p.add_argument("--chisq-rows", type=Path, nargs=2, metavar=("SAMPLES", "FILE"),
+                   help="only write the reference before every token of a chi-square run's SAMPLES to FILE")
     p.add_argument("--dry-run", action="store_true", help="print every server command, start nothing")
     args = p.parse_args(argv)
-    if args.predict is None and args.out is None:
-        p.error("OUT is required (or --predict FILE)")
-    if args.predict is None and not args.dry_run:
+    child = args.predict is not None or args.chisq_rows is not None
+    if not child and args.out is None:
+        p.error("OUT is required (or --predict FILE, or --chisq-rows SAMPLES FILE)")
+    if not child and not args.dry_run:
         if not args.patched_site or not (args.patched_site / "vllm" / "__init__.py").is_file():
             p.error("--patched-site must name a folder holding the patched vllm package")
     return args
@@ -898,6 +937,11 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.predict:
         serving.write_json_atomic(args.predict, predict(args.ckpt, args.device))
+        return 0
+    if args.chisq_rows:
+        samples, target = args.chisq_rows
+        rows = chisq_rows(args.ckpt, samples, args.device)
+        serving.write_json_atomic(target, [[[[t, p] for t, p in row.items()] for row in seq] for seq in rows])
         return 0
     if args.dry_run:
         for wave in waves(args, args.out.resolve()):

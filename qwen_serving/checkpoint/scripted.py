@@ -239,7 +239,7 @@ def _is_branch(module: str) -> bool:
     return module.startswith(f"{synth.LM}layers.") and module.endswith(BRANCH_MODULES)
 
 
-def _branch_values(seed: int, linear: synth.Int4Linear, scale: float, device: torch.device) -> dict:
+def branch_values(seed: int, linear: synth.Int4Linear, scale: float, device: torch.device) -> dict:
     codes, scales, flip = synth.intended_int4(seed, linear, device)
     scales = (scales.float() * scale).to(torch.float16)
     codes, scales = negate_groups(codes, scales, flip)
@@ -264,7 +264,7 @@ def values_for(design: Design, seed: int, random_values: Values) -> Values:
         module = getattr(entry, "module", None)
         if module is not None:
             if _is_branch(module):
-                return _branch_values(seed, entry, branch_scale, device)
+                return branch_values(seed, entry, branch_scale, device)
             return random_values(entry, device)
         if entry.name in designed:
             return {entry.name: designed[entry.name]}

@@ -117,11 +117,12 @@ class Weights:
         else:
             packed = self.raw(f"{module}.weight_packed")
             rows, cols = self.raw(f"{module}.weight_shape").tolist()
+            # unpacked where the weights go: on the CPU the full checkpoint's int4 unpack (27e9 codes through
+            # an int32 intermediate) costs minutes per forward
             if packed.shape[1] * 8 == cols:
-                codes = unpack_int4(packed.cpu(), cols).to(self.device)
+                codes = unpack_int4(packed, cols)
             elif packed.shape[1] * 4 == cols:  # int8: four codes per little-endian int32, stored + 128
-                codes = packed.cpu().contiguous().view(torch.uint8).view(rows, cols).to(self.device)
-                codes = codes.to(torch.int16) - 128
+                codes = packed.contiguous().view(torch.uint8).view(rows, cols).to(torch.int16) - 128
             else:
                 raise ValueError(f"{module}: weight_packed {tuple(packed.shape)} fits neither int4 nor int8 of {cols}")
             scales = self.raw(f"{module}.weight_scale").to(torch.bfloat16).float()

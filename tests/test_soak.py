@@ -1,0 +1,232 @@
+"""bench/soak.py against a fake vLLM in a child process (tests/helpers/soak_server.py): a clean server passes every
+criterion, and a server that answers tool calls with 500, keeps a seat, or whose engine dies midway is caught by
+the criterion that names it; the request mix is seeded and bounded; only loopback URLs are accepted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import serving, soak
+
+REPO = Path(__file__).resolve().parents[1]
+FACTS = soak.ServerFacts("fake", 512, has_key=True)
+
+
+class FakeServer:
+    def __init__(self, tmp_path: Path, *flags: str):
+        self.port = serving.free_port()
+        self.log = tmp_path / "server.log"
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.soak_server", "--port", str(self.port),
+                                      "--log", str(self.log), *flags], cwd=REPO)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 30
+        while serving.probe(self.url + "/health", timeout_s=2)[0] != 200:
+            assert self.proc.poll() is None and time.monotonic() < deadline, "the fake server did not start"
+            time.sleep(0.05)
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def fake(tmp_path):
+    servers = []
+
+    def start(*flags):
+        servers.append(FakeServer(tmp_path, *flags))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def options(**overrides) -> soak.Options:
+    base = dict(n=80, seed=3, concurrency=(1, 4, 8), max_tokens=16, max_seconds=60, request_timeout_s=20,
+                settle_s=3, health_every_s=0.1)
+    return soak.Options(**{**base, **overrides})
+
+
+def run(server: FakeServer, key: str | None = "k", **overrides) -> dict:
+    return soak.run_soak(server.url, key, options(server_log=server.log, **overrides))
+
+
+def test_a_clean_server_passes_every_criterion(fake):
+    server = fake("--key", "k")
+    result = run(server, n=120, seed=1)  # 120 draws of seed 1 reach every kind
+    assert result["passed"], json.dumps(result["criteria"], indent=1)
+    assert result["pid"] == server.proc.pid  # found from the listening socket
+    assert result["api_key_set"] and result["max_model_len"] == 512
+    kinds = result["kinds"]
+    assert len(kinds) == len(soak.KINDS) and sum(k["count"] for k in kinds.values()) == 120 and result["not_run"] == 0
+    # the bad kinds got their 4xx, the good ones 200, a cancel either
+    assert set(kinds["wrong_key"]["statuses"]) == {"401"} and set(kinds["over_context"]["statuses"]) == {"400"}
+    assert set(kinds["malformed_json"]["statuses"]) == {"400"} and set(kinds["chat_stream"]["statuses"]) == {"200"}
+    assert set(kinds["cancel"]["statuses"]) <= {"200", "cancelled"}
+    assert all(k["p50_s"] <= k["p99_s"] for k in kinds.values())
+    assert result["seats"] == {"before": 0, "after": 0} and result["kv_blocks"]["num_gpu_blocks"] == 64
+    assert result["log"] == {"death_lines": 0, "deaths_first": [], "restarts": 0}
+    assert isinstance(result["rss"]["drift"], float) and result["health"]["checks"] >= 2
+
+
+def test_5xx_answers_are_caught_with_their_body(fake):
+    result = run(fake("--key", "k", "--fail-tools"))
+    criteria = result["criteria"]
+    assert not result["passed"] and not criteria["no_5xx"]["passed"]
+    tool_requests = result["kinds"]["tool_auto"]["count"] + result["kinds"]["tool_forced"]["count"]
+    assert criteria["no_5xx"]["value"] == len(result["server_errors"]) == tool_requests > 0
+    assert all(e["kind"].startswith("tool_") and "KeyError" in e["body"] for e in result["server_errors"])
+    assert criteria["no_engine_death"]["passed"] and criteria["no_leaked_seats"]["passed"]
+
+
+def test_a_server_without_tool_calling_is_named_not_failed(fake):
+    result = run(fake("--key", "k", "--no-tools"))
+    assert result["passed"], json.dumps(result["criteria"], indent=1)
+    assert set(result["kinds"]["tool_forced"]["statuses"]) == {"no_tool_parser"}
+
+
+def test_a_leaked_seat_and_its_blocks_are_caught(fake):
+    result = run(fake("--key", "k", "--leak-after", "30"))
+    assert result["seats"] == {"before": 0, "after": 1}
+    assert result["criteria"]["no_leaked_seats"]["value"] == 1
+    assert result["criteria"]["no_leaked_blocks"]["value"] == 2  # the fake holds 2 blocks per seat
+    assert not result["criteria"]["no_leaked_blocks"]["passed"] and not result["passed"]
+    assert result["criteria"]["no_5xx"]["passed"]
+
+
+def test_an_engine_death_midway_is_caught_by_health_and_log(fake):
+    result = run(fake("--key", "k", "--die-after", "50"))
+    death = result["criteria"]["no_engine_death"]
+    assert not death["passed"] and result["health"]["deaths"] == 1
+    assert result["log"]["death_lines"] >= 1 and "EngineDeadError" in "".join(result["log"]["deaths_first"])
+    assert result["server_errors"] and not result["passed"]
+    assert not result["stream_errors"]  # a 500 before a stream starts is one server error, not a stream error too
+
+
+def test_an_error_event_inside_a_200_stream_counts_as_a_5xx(fake):
+    result = run(fake("--key", "k", "--stream-error"))
+    streamed = result["kinds"]["chat_stream"]["count"] + result["kinds"]["completion_stream"]["count"]
+    assert {e["kind"] for e in result["stream_errors"]} <= {"chat_stream", "completion_stream", "disconnect"}
+    assert len(result["stream_errors"]) >= streamed > 0 and not result["server_errors"]
+    assert all(e["status"] == 200 and "Internal server error" in e["stream_error"] for e in result["stream_errors"])
+    assert not result["criteria"]["no_5xx"]["passed"] and result["criteria"]["no_engine_death"]["passed"]
+
+
+def test_a_server_that_vanishes_is_a_death_and_no_answers(fake):
+    server = fake()
+    threading.Timer(1.0, server.proc.kill).start()
+    result = soak.run_soak(server.url, None, options(n=400, concurrency=(1,)))
+    assert not result["criteria"]["no_engine_death"]["passed"]
+    assert any("no_answer" in k["statuses"] for k in result["kinds"].values())
+    assert result["rss"]["end"] is None and not result["criteria"]["rss_drift_under_5pct"]["passed"]
+
+
+def test_the_plan_is_seeded_bounded_and_mixed():
+    a = soak.build_plan(FACTS, 300, 7, (1, 2, 4), 16)
+    assert soak.plan_digest(a) == soak.plan_digest(soak.build_plan(FACTS, 300, 7, (1, 2, 4), 16))
+    assert soak.plan_digest(a) != soak.plan_digest(soak.build_plan(FACTS, 300, 8, (1, 2, 4), 16))
+    requests = [r for wave in a for r in wave.requests]
+    assert [r.index for r in requests] == list(range(300))
+    assert {w.concurrency for w in a} == {1, 2, 4} and all(len(w.requests) <= 4 * w.concurrency for w in a)
+    assert len({r.kind for r in requests}) == len(soak.KINDS)  # 300 draws reach every kind
+    long = [r for r in requests if r.kind == "long_prompt"]
+    assert all(FACTS.max_model_len - 48 <= len(r.body["prompt"]) < FACTS.max_model_len for r in long)
+    over = [r for r in requests if r.kind == "over_context"]
+    assert over and all(len(r.body["prompt"]) > FACTS.max_model_len for r in over)
+
+
+def test_auth_kinds_need_a_key_and_weights_pick_kinds():
+    unkeyed = soak.ServerFacts("fake", 512, has_key=False)
+    kinds = {r.kind for w in soak.build_plan(unkeyed, 400, 1, (4,), 8) for r in w.requests}
+    assert "wrong_key" not in kinds and "missing_key" not in kinds
+    weights = soak.parse_weights("chat=1," + ",".join(f"{k}=0" for k in soak.KINDS if k != "chat"))
+    assert {r.kind for w in soak.build_plan(FACTS, 50, 1, (4,), 8, weights) for r in w.requests} == {"chat"}
+    with pytest.raises(soak.SoakError, match="KIND=WEIGHT"):
+        soak.parse_weights("nonsense=3")
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.5:8000", "http://example.com", "http://0.0.0.0:8000"])
+def test_only_loopback_urls(url):
+    with pytest.raises(soak.SoakError, match="loopback"):
+        soak.require_loopback(url)
+    res = subprocess.run([sys.executable, "-m", "bench.soak", "--url", url, "--n", "1"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "loopback" in res.stderr
+
+
+def test_cli_writes_json_and_markdown(fake, tmp_path):
+    server = fake()
+    out, table = tmp_path / "soak.json", tmp_path / "soak.md"
+    res = subprocess.run([sys.executable, "-m", "bench.soak", "--url", server.url, "--n", "40", "--seed", "1",
+                          "--concurrency", "2,4", "--settle", "2", "--json", str(out), "--markdown", str(table)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "VLLM_API_KEY": ""})
+    assert res.returncode == 0, res.stdout + res.stderr
+    result = json.loads(out.read_text())
+    assert result["n"] == 40 and result["passed"] and "soak PASSED" in res.stdout
+    assert table.read_text().startswith("| kind | requests |") and "| no_5xx" in table.read_text()
+    assert "40/40" in res.stderr  # the progress line
+
+
+def test_process_tree_rss_sums_the_children(tmp_path):
+    for pid, ppid, kb in ((10, 1, 100), (11, 10, 50), (12, 11, 25), (13, 1, 999)):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "status").write_text(f"Name:\tx\nPPid:\t{ppid}\nVmRSS:\t {kb} kB\n")
+    assert soak.process_tree_rss(10, tmp_path) == {"pids": [10, 11, 12], "bytes": 175 * 1024}
+    assert soak.process_tree_rss(99, tmp_path) is None
+
+
+def test_log_events_counts_deaths_and_restarts():
+    text = ("INFO ok\nERROR EngineCore encountered a fatal error.\n"
+            "INFO vLLM API server version 0.28.0\nRuntimeError: CUDA error: an illegal memory access\n")
+    events = soak.log_events(text)
+    assert events["death_lines"] == 2 and events["restarts"] == 1
+
+
+def test_answers_are_checked_where_any_weights_must_get_them_right():
+    forced = soak.Request(0, "tool_forced", "/v1/chat/completions", body={})
+
+    def chat(message, finish="stop"):
+        return json.dumps({"choices": [{"message": message, "finish_reason": finish}]})
+
+    call = {"tool_calls": [{"function": {"name": "get_weather", "arguments": '{"city": "Aarhus"}'}}]}
+    assert soak.answer_problem(forced, chat(call), 512) == ""
+    wrong = {"tool_calls": [{"function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    assert "forced call" in soak.answer_problem(forced, chat(wrong), 512)
+    assert soak.answer_problem(forced, chat({"tool_calls": []}, "length"), 512) == ""  # cut: nothing to check
+    structured = soak.Request(0, "structured", "/v1/chat/completions", body={})
+    assert "outside the schema" in soak.answer_problem(structured, chat({"content": '{"city": "Odense"}'}), 512)
+    assert "unreadable" in soak.answer_problem(structured, chat({"content": "not json"}), 512)
+    clamped = soak.Request(0, "max_tokens_over", "/v1/completions", body={})
+    usage = {"choices": [{"text": "x", "finish_reason": "length"}], "usage": {"prompt_tokens": 500,
+                                                                                 "completion_tokens": 20}}
+    assert "exceed max_model_len" in soak.answer_problem(clamped, json.dumps(usage), 512)
+    assert soak.answer_problem(clamped, json.dumps(usage), 520) == ""
+
+
+def test_the_gpu_visit_runner_bounds_the_soak_by_its_budget(fake, tmp_path):
+    sys.path.insert(0, str(REPO / "bench" / "gpu"))
+    import soak_visit
+
+    server = fake("--key", "k")
+    out = tmp_path / "soak-batch.json"
+    out.write_text('{"stale": true}')
+    rc = soak_visit.main(["--url", server.url, "--out", str(out), "--mode", "batch", "--api-key", "k", "--n", "60",
+                          "--budget-s", "100", "--server-log", str(server.log)])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["mode"] == "batch" and result["passed"] and "stale" not in result
+    assert out.with_suffix(".md").read_text().startswith("| kind |")
+    argv = soak_visit.soak_argv(soak_visit.argparse.Namespace(
+        url="u", n=1000, seed=0, budget_s=180, api_key=None, pid=None, server_log=None), out)
+    assert argv[argv.index("--max-seconds") + 1] == "110" and "--api-key" not in argv
+    with pytest.raises(SystemExit, match="need >= 30"):
+        soak_visit.main(["--url", server.url, "--out", str(out), "--budget-s", "90"])

@@ -22,6 +22,17 @@ PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_pro
           "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"], "in_proj_ba": ["in_proj_b", "in_proj_a"]}
 
 
+def run_cpu_helper(*argv: str, **env: str) -> str:
+    """tests/helpers/scripted_layers_cpu.py in a fresh process (it installs vLLM's CPU stand-ins); its stdout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
+           "OMP_NUM_THREADS": "1", **env}
+    script = REPO / "tests" / "helpers" / "scripted_layers_cpu.py"
+    proc = subprocess.run([sys.executable, str(script), *argv], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("scripted-layers") / "tiny"
@@ -43,12 +54,7 @@ def ids(tiny) -> list[int]:
 @pytest.fixture(scope="module")
 def cpu_run(tiny, ids) -> dict:
     out = tiny.parent / "layers.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
-           "OMP_NUM_THREADS": "1"}
-    script = REPO / "tests" / "helpers" / "scripted_layers_cpu.py"
-    proc = subprocess.run([sys.executable, str(script), str(tiny), str(out), *map(str, ids)],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_cpu_helper(str(tiny), str(out), *map(str, ids))
     return json.loads(out.read_text())
 
 
@@ -124,6 +130,7 @@ def test_hooks_follow_vllms_forward_layer_by_layer(cpu_run, ref):
     assert [row["layer"] for row in cpu_run["in_situ"]] == list(range(len(ref.layer_types)))
     for row in cpu_run["in_situ"]:
         for part in ("mixer", "mlp"):
+            assert row[part]["input"]["rel_err"] < 1e-5, (row["layer"], part, row[part])
             assert row[part]["output_gemm"]["rel_err"] < 1e-5, (row["layer"], part, row[part])
             assert row[part]["before_gemm"]["rel_err"] < 1e-3, (row["layer"], part, row[part])
 
@@ -139,6 +146,8 @@ def test_a_full_scale_branch_is_found_where_it_is(cpu_run):
     # split at its output GEMM, the blame falls on the GEMM, not on what feeds it
     split = cpu_run["scaled_in_situ"][1]["mlp"]
     assert split["output_gemm"]["rel_err"] > 50 and split["before_gemm"]["rel_err"] < 1e-3
+    assert split["input"]["rel_err"] < 1e-5  # the layer's own MLP input is still right
+    assert cpu_run["scaled_in_situ"][2]["mixer"]["input"]["rel_err"] > sl.PARTED  # the next one's is not
     report = {"linears": [scaled_row], "layers": rows, "in_situ": cpu_run["scaled_in_situ"]}
     summary = sl.summarize(report)
     assert summary["in_situ_off"][0][:3] == [1, "mlp", "output_gemm"]
@@ -151,13 +160,9 @@ def test_the_scripts_main_on_the_cpu_model(tiny, tmp_path):
     """main() end to end with vllm.LLM replaced by the CPU-built model (tests/helpers/scripted_layers_cpu.py):
     the engine arguments, every phase in OUT.json, and a verdict of agreement on a forward that agrees."""
     out, record = tmp_path / "layers.json", tmp_path / "llm.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
-           "OMP_NUM_THREADS": "1", "QS_CPU_LLM_RECORD": str(record)}
-    script = REPO / "tests" / "helpers" / "scripted_layers_cpu.py"
-    proc = subprocess.run([sys.executable, str(script), "--main", str(tiny), "--out", str(out), "--tokens", "12",
-                           "--budget-s", "600"], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "summary" in proc.stdout
+    stdout = run_cpu_helper("--main", str(tiny), "--out", str(out), "--tokens", "12", "--budget-s", "600",
+                            QS_CPU_LLM_RECORD=str(record))
+    assert "summary" in stdout
     llm = json.loads(record.read_text())
     assert llm["kwargs"]["enforce_eager"] and llm["kwargs"]["gdn_prefill_backend"] == "triton"
     assert llm["env"] == sl.ENGINE_ENV
@@ -167,6 +172,7 @@ def test_the_scripts_main_on_the_cpu_model(tiny, tmp_path):
     summary = report["summary"]
     assert summary["linears_off"] == [] and summary["linears_checked"] > 2
     assert summary["first_parted_layer"] is None and summary["answer_is_chain"]
+    assert summary["hooks_captured"] > 0 and "in_situ_off" not in summary and len(report["in_situ"]) == 4
     assert summary["logits"]["argmax_agrees"] == summary["logits"]["positions"] == 12
     assert summary["logits"]["reference_argmax_is_chain"] == 12
     assert report["logits"]["rel_err"] < 1e-4

@@ -68,6 +68,9 @@ _CAPTURED = [("stream", re.compile(r"(?:^|\.)layers\.(\d+)$")),
              ("mlp", re.compile(r"(?:^|\.)layers\.(\d+)\.mlp$"))]
 _GEMM_INPUTS = [("mixer_in", re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn\.o_proj|linear_attn\.out_proj)$")),
                 ("mlp_in", re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.down_proj$"))]
+_BRANCH_INPUTS = [("mixer_norm_in", re.compile(r"(?:^|\.)layers\.(\d+)\.(?:linear_attn|self_attn)$")),
+                  ("mlp_norm_in", re.compile(r"(?:^|\.)layers\.(\d+)\.mlp$"))]
+BRANCH_NORM = {"mixer": "input_layernorm", "mlp": "post_attention_layernorm"}
 OUTPUT_GEMM = {"full_attention": "self_attn.o_proj", "linear_attention": "linear_attn.out_proj"}
 
 
@@ -188,8 +191,9 @@ def sibling_ratios(rows: list[dict]) -> list[dict]:
 class LayerCapture:
     """Forward hooks that keep, from the first forward over at least `tokens` rows (the prefill), every decoder
     layer's residual stream (hidden + residual: vLLM's layers return the MLP output and the stream before it),
-    its mixer's and MLP's outputs, the inputs of their output GEMMs (o_proj / out_proj, down_proj) and the final
-    norm's output, as float32 copies on the CPU (the next layer's fused add-norm may work in place)."""
+    its mixer's and MLP's inputs (the normed stream) and outputs, the inputs of their output GEMMs (o_proj /
+    out_proj, down_proj) and the final norm's output, as float32 copies on the CPU (the next layer's fused
+    add-norm may work in place)."""
 
     def __init__(self, model: torch.nn.Module, tokens: int):
         self.tokens = tokens
@@ -205,11 +209,13 @@ class LayerCapture:
                     key = (part, int(match.group(1)))
             if key:
                 self._handles.append(module.register_forward_hook(self._hook(key)))
-            for part, pattern in _GEMM_INPUTS:
+            for part, pattern in _GEMM_INPUTS + _BRANCH_INPUTS:
                 match = pattern.search(name)
-                if match:
+                if match:  # the input: positional, or the hidden_states keyword (vLLM calls self_attn so)
                     hook = self._hook((part, int(match.group(1))))
-                    self._handles.append(module.register_forward_pre_hook(lambda m, args, hook=hook: hook(m, (), args[0])))
+                    self._handles.append(module.register_forward_pre_hook(
+                        lambda m, args, kwargs, hook=hook: hook(m, (), args[0] if args else kwargs["hidden_states"]),
+                        with_kwargs=True))
 
     def _hook(self, key: tuple):
         def hook(module, args, output):
@@ -239,23 +245,29 @@ def compare_layers(got: Mapping[tuple, torch.Tensor], states: dict, kinds: list[
     return rows
 
 
-def in_situ(got: Mapping[tuple, torch.Tensor], states: dict, weights, kinds: list[str], layers: int,
-            device: torch.device) -> list[dict]:
-    """For the first `layers` layers, each branch split at its output GEMM, on vLLM's own activations:
-    `output_gemm` = vLLM's branch output against its captured GEMM input times the reference's weight;
-    `before_gemm` = that product against the reference's branch output (everything before the GEMM: the
-    attention / GDN kernels, the gated norm, the MLP's gate_up and activation)."""
+def in_situ(got: Mapping[tuple, torch.Tensor], states: dict, ref, layers: int, device: torch.device) -> list[dict]:
+    """For the first `layers` layers, each branch on vLLM's own activations, in three pieces: `input` = vLLM's
+    normed branch input against the (1 + w) RMSNorm of the reference's stream there; `output_gemm` = vLLM's branch
+    output against its captured output-GEMM input times the reference's weight; `before_gemm` = that product
+    against the reference's branch output (what lies between: the attention / GDN kernels, the gated norm, the
+    MLP's gate_up and activation)."""
     rows = []
     for i in range(min(layers, len(states["layers"]))):
-        row = {"layer": i, "kind": kinds[i]}
-        for part, module in (("mixer", OUTPUT_GEMM[kinds[i]]), ("mlp", "mlp.down_proj")):
-            gemm_in, out = got.get((f"{part}_in", i)), got.get((part, i))
-            if gemm_in is None or out is None:
+        kind, layer = ref.layer_types[i], states["layers"][i]
+        before = states["embedding"] if i == 0 else states["layers"][i - 1]["stream"]
+        streams = {"mixer": before, "mlp": before + layer["mixer"]}
+        row = {"layer": i, "kind": kind}
+        for part, module in (("mixer", OUTPUT_GEMM[kind]), ("mlp", "mlp.down_proj")):
+            normed_in, gemm_in, out = (got.get((key, i)) for key in (f"{part}_norm_in", f"{part}_in", part))
+            if normed_in is None or gemm_in is None or out is None:
                 row[part] = None
                 continue
-            product = (gemm_in.to(device) @ weights.linear(f"{LM}layers.{i}.{module}").to(device).T).cpu()
-            row[part] = {"output_gemm": compare(out, product),
-                         "before_gemm": compare(product, states["layers"][i][part].cpu())}
+            stream = streams[part].to(device)
+            norm = 1.0 + ref.w.dense(f"{LM}layers.{i}.{BRANCH_NORM[part]}.weight").to(device)
+            expected_in = stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + ref.eps) * norm
+            product = (gemm_in.to(device) @ ref.w.linear(f"{LM}layers.{i}.{module}").to(device).T).cpu()
+            row[part] = {"input": compare(normed_in, expected_in.cpu()), "output_gemm": compare(out, product),
+                         "before_gemm": compare(product, layer[part].cpu())}
         rows.append(row)
     return rows
 
@@ -297,13 +309,14 @@ def summarize(report: dict) -> dict:
     for row in report.get("in_situ", []):
         for part in ("mixer", "mlp"):
             split = row[part] or {}
-            for side, limit in (("output_gemm", MISMATCH), ("before_gemm", PARTED)):
+            for side, limit in (("input", MISMATCH), ("output_gemm", MISMATCH), ("before_gemm", PARTED)):
                 if (split.get(side, {}).get("rel_err") or 0) > limit:
                     out.setdefault("in_situ_off", []).append([row["layer"], part, side, split[side]["rel_err"]])
     if "logits" in report:
         out["logits"] = {k: report["logits"][k] for k in ("rel_err", "argmax_agrees", "vllm_argmax_is_chain",
                                                           "reference_argmax_is_chain", "positions")}
     if "engine" in report:
+        out["hooks_captured"] = report["engine"]["captured"]  # 0 under --compiled: no layer rows then
         out["answer_is_chain"] = report["engine"]["answer"] == report["engine"]["chain"]
     return out
 
@@ -417,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     design = Design.read(args.model_dir)
     ids = design.walk(design.active[len(design.active) // 3], args.tokens - 1)
     report = {"schema": SCHEMA, "model_dir": str(args.model_dir), "env": ENGINE_ENV, "ids": ids,
-              "chain_next": [design.next_in_chain(t) for t in ids], "compiled": args.compiled, "phases_s": {}, "skipped": [], "errors": {},
+              "chain_next": [design.next_in_chain(t) for t in ids], "compiled": args.compiled,
+              "phases_s": {}, "skipped": [], "errors": {},
               "versions": {"vllm": vllm.__version__, "torch": torch.__version__}}
     run = Run(args.out, args.budget_s, report)
 
@@ -440,6 +454,11 @@ def main(argv: list[str] | None = None) -> int:
         report["engine"], got = run_engine(llm, model, ids, design.walk(ids[-1], 8)[1:])
         run.done("engine", began)
 
+        if not got:
+            report["skipped"].append("layers and logits (no hook fired: compiled)")
+            _write(args.out, report)
+            print(table(report))
+            return 0
         began = time.monotonic()
         kinds = ref.layer_types
         # the reference's forward costs about its dequantization: fit the layers the budget holds
@@ -453,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             states = ref.layer_states(ids, layers)
         report["layers"] = compare_layers(got, states, kinds)
-        report["in_situ"] = in_situ(got, states, ref.w, kinds, args.layers, device)
+        report["in_situ"] = in_situ(got, states, ref, args.layers, device)
         run.done("layers", began)
 
         began = time.monotonic()

@@ -8,8 +8,9 @@ The second form runs bench/gpu/scripted_layers.py's main() with `vllm.LLM` repla
 
 OUT.json: {"linears": every decoder linear, the embedding and the lm_head checked against the reference's weights;
 "reversed": the fused modules checked with their components in the wrong order; "layers" / "final": the captured
-per-layer states against `Reference.layer_states`, "in_situ": the branches split at their output GEMMs; "scaled": the same after one branch matrix (layer 1's MLP
-down_proj) is made SCALE times larger in vLLM's model, "scaled_in_situ" and "scaled_linear": that module's check}.
+per-layer states against `Reference.layer_states`; "in_situ": the branches split at their output GEMMs;
+"scaled", "scaled_in_situ", "scaled_linear": the same after one branch matrix (layer 1's MLP down_proj) is made
+SCALE times larger in vLLM's model}.
 """
 
 import json
@@ -87,13 +88,13 @@ def main() -> None:
         got = captured(config, target, ids)
         out["layers"] = sl.compare_layers(got, states, ref.layer_types)
         out["final"] = sl.compare(got[("final",)], states["final"])
-        out["in_situ"] = sl.in_situ(got, states, ref.w, ref.layer_types, len(ref.layer_types), cpu)
+        out["in_situ"] = sl.in_situ(got, states, ref, len(ref.layer_types), cpu)
         (name, module), = [(n, m) for n, m in linears if n.endswith(SCALED)]
         module.quant_method.weight *= SCALE
         out["scaled_linear"] = sl.check_linear(name, module, ref.w, packed, dtype, cpu)
         got = captured(config, target, ids)
         out["scaled"] = sl.compare_layers(got, states, ref.layer_types)
-        out["scaled_in_situ"] = sl.in_situ(got, states, ref.w, ref.layer_types, len(ref.layer_types), cpu)
+        out["scaled_in_situ"] = sl.in_situ(got, states, ref, len(ref.layer_types), cpu)
     Path(out_path).write_text(json.dumps(out))
 
 

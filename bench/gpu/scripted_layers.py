@@ -299,7 +299,8 @@ def summarize(report: dict) -> dict:
     """The lines to read first: which linears miss their weights, where the stream parts, the logits."""
     bad = [row["module"] for row in report.get("linears", []) if (row.get("rel_err") or 0) > MISMATCH]
     out = {"linears_checked": len(report.get("linears", [])), "linears_off": bad,
-           "branch_weight_ratios": sorted({round(r["weight_rms_ratio"], 3) for r in report.get("siblings", [])})}
+           "branch_weight_ratios": sorted({round(r["weight_rms_ratio"], 3) for r in report.get("siblings", [])}),
+           "errors": sorted(report.get("errors", {}))}
     if "layers" in report:
         out["first_parted_layer"] = first_parted(report["layers"])
         ratios = [(row["layer"], part, row[part]["ratio"]) for row in report["layers"] for part in ("mixer", "mlp")
@@ -373,19 +374,23 @@ def check_linears(run: Run, model, ref, ids: list[int], layers: int, device, dty
     stop = time.monotonic() + LINEAR_SHARE * run.left()  # the rest for the engine and reference forwards
     dequantized, dequant_s = 0, 0.0
     report["linears"] = []
-    try:
-        report["linears"].append(check_embedding(model, ref, ids, device))
-        report["linears"].append(check_lm_head(model, ref.w, dtype, device))
-        for name, module in decoder_linears(model, layers):
-            if time.monotonic() > stop:
-                report["skipped"].append(f"linears from {name}")
-                break
-            began = time.monotonic()
-            report["linears"].append(check_linear(name, module, ref.w, packed, dtype, device))
+    checks = [("embed_tokens", lambda: check_embedding(model, ref, ids, device)),
+              ("lm_head", lambda: check_lm_head(model, ref.w, dtype, device))]
+    checks += [(name, lambda name=name, module=module: check_linear(name, module, ref.w, packed, dtype, device))
+               for name, module in decoder_linears(model, layers)]
+    for name, check in checks:
+        if time.monotonic() > stop:
+            report["skipped"].append(f"linears from {name}")
+            break
+        began = time.monotonic()
+        try:
+            report["linears"].append(check())
+        except Exception as exc:  # noqa: BLE001 - recorded: the other modules and phases still run
+            report["errors"][name] = repr(exc)
+            continue
+        if "components" in report["linears"][-1]:
             dequant_s += time.monotonic() - began
             dequantized += sum(c["shape"][0] * c["shape"][1] for c in report["linears"][-1]["components"])
-    except Exception as exc:  # noqa: BLE001 - recorded: the later phases still say where the forward parts
-        report["errors"]["linears"] = repr(exc)
     report["siblings"] = sibling_ratios(report["linears"])
     return dequantized, dequant_s
 

@@ -305,6 +305,29 @@ class Reference:
         transition the design builds; the full forward differs from it by the branches' wobble."""
         return self._norm(self.embed(tokens), f"{LM}norm.weight") @ self.w.linear("lm_head").T
 
+    # -- per-layer states (bench/gpu/scripted_layers.py compares an engine's forward with them, layer by layer)
+
+    def layer_states(self, ids: list[int], layers: int | None = None) -> dict:
+        """The target's forward over one sequence, kept at every layer: {"embedding": [T, H], "layers": one
+        {"mixer", "mlp", "stream"} per decoder layer (its attention / GDN branch output, its MLP branch
+        output, the residual stream after it: what vLLM's layer returns as hidden + residual), "final": [T, H]
+        the final-normed hidden (= `hidden(ids)`)}. `layers` stops after that many layers ("final" None)."""
+        x = self.embed(torch.tensor([ids]))
+        positions = torch.arange(len(ids), device=x.device)
+        states = {"embedding": x[0], "layers": [], "final": None}
+        kinds = self.layer_types if layers is None else self.layer_types[:layers]
+        for i, kind in enumerate(kinds):
+            prefix = f"{LM}layers.{i}"
+            h = self._norm(x, f"{prefix}.input_layernorm.weight")
+            mixer = self._attention(h, positions, prefix) if kind == "full_attention" else self._gated_deltanet(h, prefix)
+            x = x + mixer
+            mlp = self._mlp(self._norm(x, f"{prefix}.post_attention_layernorm.weight"), prefix)
+            x = x + mlp
+            states["layers"].append({"mixer": mixer[0], "mlp": mlp[0], "stream": x[0]})
+        if len(kinds) == len(self.layer_types):
+            states["final"] = self._norm(x, f"{LM}norm.weight")[0]
+        return states
+
 
 # ---------------------------------------------------------------- acceptance
 

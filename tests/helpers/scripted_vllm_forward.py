@@ -85,8 +85,9 @@ def gdn_core(mixed_qkv, b, a, core_attn_out, layer_name):
     core_attn_out.copy_(out[0].to(core_attn_out.dtype))
 
 
-def main() -> None:
-    path, out_path, ids = Path(sys.argv[1]), Path(sys.argv[2]), [int(t) for t in sys.argv[3:]]
+def cpu_models(path: Path):
+    """(engine config, {class name: model}): the target and the MTP drafter loaded from `path`, with the three
+    CPU stand-ins above installed and cast to float32. Shared with tests/helpers/scripted_layers_cpu.py."""
     config = engine_config(path, num_speculative_tokens=1, max_model_len=512)
     start_cpu_world(config)
     stored = dict(synth.iter_checkpoint(path))
@@ -109,6 +110,13 @@ def main() -> None:
                 if type(module).__name__ == "LogitsProcessor":
                     module.head_dtype = None
         torch.ops.vllm.cpu_gdn_attention_core = gdn_core
+    return config, models
+
+
+def main() -> None:
+    path, out_path, ids = Path(sys.argv[1]), Path(sys.argv[2]), [int(t) for t in sys.argv[3:]]
+    config, models = cpu_models(path)
+    with set_current_vllm_config(config):
         target, drafter = models["Qwen3_5ForConditionalGeneration"], models["Qwen3_5MTP"]
         input_ids = torch.tensor(ids)
         positions = torch.arange(len(ids))

@@ -5,8 +5,10 @@
 # 1. the patch series on a copy of vllm in $PATCHED_SITE ($SITE stays stock);
 # 2. the GPU tests in $QS_GPU_TESTS (default none: the first wave and the reference fill the GPU) in the
 #    background, log /tmp/visit-tests.log;
-# 3. bench/gpu/scripted_mtp.py (the scripted full checkpoint, the first wave and the sweep) within
-#    $QS_SCRIPTED_BUDGET_S seconds (default: the script's);
+# 2b. (QS_SCRIPTED_LAYERS=1, the default) the scripted full checkpoint, then bench/gpu/scripted_layers.py: vLLM's
+#    modules, per-layer residual stream and logits against the reference (~5 min), before anything is measured;
+# 3. bench/gpu/scripted_mtp.py (the first wave and the sweep) within $QS_SCRIPTED_BUDGET_S seconds (default: the
+#    script's);
 # 4. the line `VISIT DONE`. tests/gpu/pack_scripted_visit.sh OUT packs whatever is there so far.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -20,6 +22,17 @@ if [ "$TESTS" != none ]; then
   log "2. GPU tests: $TESTS (log /tmp/visit-tests.log)"
   QS_GPU_TESTS="$TESTS" QS_GPU_RESULTS=/tmp/visit-tests QS_GPU_WORK=/tmp/visit-tests-work QS_GPU_PYTEST_LIMIT_S=900 \
     bash tests/gpu/run_on_device.sh > /tmp/visit-tests.log 2>&1 &
+fi
+
+CKPT=/tmp/qwen-scripted-full
+if [ "${QS_SCRIPTED_LAYERS:-1}" = 1 ]; then
+  log "2b. the scripted checkpoint, then vLLM's GPU forward against the reference (log /tmp/scripted-layers.log)"
+  mkdir -p /tmp/scripted-out
+  [ -f "$CKPT/scripted.json" ] || python3 -m qwen_serving.checkpoint.synth --size full --behaviour scripted \
+    --mtp-agree 0.76 --seed 0 --out "$CKPT" > /tmp/scripted-out/synth.log 2>&1
+  timeout 300 python3 bench/gpu/scripted_layers.py "$CKPT" --out /tmp/scripted-out/scripted-layers.json \
+    --budget-s 240 > /tmp/scripted-layers.log 2>&1
+  log "scripted_layers exit $?: $(tail -n 3 /tmp/scripted-layers.log | tr '\n' ' ')"
 fi
 
 log "3. scripted run (log /tmp/scripted.log)"

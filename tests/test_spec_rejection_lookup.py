@@ -2,7 +2,8 @@
 
 Two instruments (tests/helpers/spec_rejection.py): the rule written out in torch, run on 10^6 sequences per
 configuration, and vLLM 0.28.0's own V2-runner rejection kernels (rejection_sampler_utils.rejection_sample,
-Triton under TRITON_INTERPRET=1), run on fewer samples because the interpreter costs ~50 ms per request.
+Triton under TRITON_INTERPRET=1, libdevice's log1p stood in for), on 400 one-step samples: the interpreter
+costs ~50 ms per request, so 10^6 of them are a GPU run's job.
 Both are judged by Pearson's chi-square against the chain's exact joint distribution; broken rules and a
 lookup position that reports the drafter's q instead of a point mass must fail the same test.
 """
@@ -79,3 +80,30 @@ def test_a_token_outside_the_support_fails():
     outside = int((toy.target[toy.start] == 0).nonzero()[0])
     sequences[0, 0] = outside
     assert _judge(toy, sequences).outside_support == 1
+
+
+
+VLLM_SAMPLES = 400  # the interpreter costs ~50 ms per request
+VLLM_BROKEN_SAMPLES = 150  # the broken proposal is far off (chi-square ~1500 at 400)
+VLLM_LENGTH = 2  # a step's first token, and the second one (a kept draft, or the chain's own draw after it)
+
+
+@pytest.fixture
+def vllm_kernels(monkeypatch):
+    sr.interpreter_libdevice(monkeypatch)
+
+
+@pytest.mark.parametrize("name, lookup_as_drafter", [("T1.0", False), ("T0.6-topk-topp", False), ("T1.0", True)],
+                         ids=["T1.0", "T0.6-topk-topp", "broken-lookup-q"])
+def test_vllm_rejection_kernels_reproduce_the_target(vllm_kernels, name, lookup_as_drafter):
+    """vLLM's kernels with the lookup's positions encoded as point-mass draft logits, and the drafter's sampled."""
+    toy = sr.Toy.make(4, SAMPLINGS[name], seed=3)
+    samples = VLLM_BROKEN_SAMPLES if lookup_as_drafter else VLLM_SAMPLES
+    emitted, count = sr.vllm_step(toy, (sr.LOOKUP, sr.SAMPLED), samples, seed=4,
+                                  temperature=SAMPLINGS[name].temperature, lookup_as_drafter=lookup_as_drafter)
+    assert ((count >= 1) & (count <= 3)).all()
+    result = _judge(toy, sr.continue_exactly(toy, emitted, count, VLLM_LENGTH, seed=5))
+    if lookup_as_drafter:
+        assert result.p_value < FAIL, result
+    else:
+        assert result.outside_support == 0 and result.p_value > PASS, result

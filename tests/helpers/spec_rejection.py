@@ -187,3 +187,46 @@ def chi_square(sequences: torch.Tensor, vocab: int, exact: torch.Tensor) -> ChiS
                                             torch.tensor(stat / 2, dtype=torch.float64)))
     return ChiSquare(stat, df, p_value, int(counts[~support].sum()))
 
+
+
+def vllm_step(toy: Toy, kinds: tuple[str, ...], n: int, seed: int, temperature: float,
+              lookup_as_drafter: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One verify step for n requests through vLLM 0.28.0's V2-runner rejection kernels: (emitted [n, K + 1]
+    padded with -1, number emitted [n]). The drafts come from `toy.propose`; the target rows go in as the
+    processed logits the sampler hands over (log p, -inf outside the top-k/top-p support), the proposals as
+    draft logits, which the kernels divide by the temperature: T * log q (a point mass: 0 on its token, -inf
+    elsewhere). Needs TRITON_INTERPRET=1 and `interpreter_libdevice` on a CPU host."""
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import rejection_sample
+
+    gen = torch.Generator().manual_seed(seed)
+    k = len(kinds)
+    prev = torch.full((n,), toy.start, dtype=torch.long)
+    drafts, q = toy.propose(prev, kinds, gen, lookup_as_drafter)
+    target_logits = toy.verify_rows(prev, drafts).log().float().reshape(n * (k + 1), toy.vocab)
+    draft_logits = (temperature * q.log()).float()  # [n, K, V]: request state index = request index
+    rows = torch.arange(n, dtype=torch.int32)
+    sampled, num_sampled = rejection_sample(
+        target_logits.contiguous(),
+        draft_logits.contiguous(),
+        torch.cat([prev.unsqueeze(1), drafts], 1).reshape(-1),  # input ids at the logits: last token, then drafts
+        torch.arange(0, n * (k + 1) + 1, k + 1, dtype=torch.int32),
+        (100 + torch.arange(k + 1)).repeat(n),  # positions in the sequence: the noise's offset
+        rows,
+        rows.repeat_interleave(k + 1),
+        torch.arange(k + 1, dtype=torch.int32).repeat(n),
+        torch.full((n,), temperature, dtype=torch.float32),
+        torch.randint(0, 2**62, (n,), generator=gen, dtype=torch.int64),  # one seed per request: independent draws
+        k,
+    )
+    count = num_sampled.long()
+    emitted = torch.where(torch.arange(k + 1) < count.unsqueeze(1), sampled, -1)
+    return emitted, count
+
+
+def interpreter_libdevice(monkeypatch) -> None:
+    """Triton's CPU interpreter leaves libdevice unimplemented; vLLM's rejection and Gumbel kernels call
+    log1p from it. log(1 + x) stands in (float32: the same values up to rounding for these tiny vocabularies)."""
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    monkeypatch.setattr(libdevice, "log1p", lambda x: tl.log(1.0 + x))

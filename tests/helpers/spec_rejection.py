@@ -190,12 +190,13 @@ def chi_square(sequences: torch.Tensor, vocab: int, exact: torch.Tensor) -> ChiS
 
 
 def vllm_step(toy: Toy, kinds: tuple[str, ...], n: int, seed: int, temperature: float,
-              lookup_as_drafter: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              lookup_as_drafter: bool = False, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """One verify step for n requests through vLLM 0.28.0's V2-runner rejection kernels: (emitted [n, K + 1]
     padded with -1, number emitted [n]). The drafts come from `toy.propose`; the target rows go in as the
     processed logits the sampler hands over (log p, -inf outside the top-k/top-p support), the proposals as
     draft logits, which the kernels divide by the temperature: T * log q (a point mass: 0 on its token, -inf
-    elsewhere). Needs TRITON_INTERPRET=1 and `interpreter_libdevice` on a CPU host."""
+    elsewhere). On a CPU host it needs TRITON_INTERPRET=1 and `interpreter_libdevice`; device="cuda" runs the
+    kernels compiled (the results come back to the CPU)."""
     from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import rejection_sample
 
     gen = torch.Generator().manual_seed(seed)
@@ -205,7 +206,7 @@ def vllm_step(toy: Toy, kinds: tuple[str, ...], n: int, seed: int, temperature: 
     target_logits = toy.verify_rows(prev, drafts).log().float().reshape(n * (k + 1), toy.vocab)
     draft_logits = (temperature * q.log()).float()  # [n, K, V]: request state index = request index
     rows = torch.arange(n, dtype=torch.int32)
-    sampled, num_sampled = rejection_sample(
+    inputs = [
         target_logits.contiguous(),
         draft_logits.contiguous(),
         torch.cat([prev.unsqueeze(1), drafts], 1).reshape(-1),  # input ids at the logits: last token, then drafts
@@ -216,9 +217,9 @@ def vllm_step(toy: Toy, kinds: tuple[str, ...], n: int, seed: int, temperature: 
         torch.arange(k + 1, dtype=torch.int32).repeat(n),
         torch.full((n,), temperature, dtype=torch.float32),
         torch.randint(0, 2**62, (n,), generator=gen, dtype=torch.int64),  # one seed per request: independent draws
-        k,
-    )
-    count = num_sampled.long()
+    ]
+    sampled, num_sampled = rejection_sample(*(t.to(device) for t in inputs), k)
+    sampled, count = sampled.cpu(), num_sampled.long().cpu()
     emitted = torch.where(torch.arange(k + 1) < count.unsqueeze(1), sampled, -1)
     return emitted, count
 

@@ -97,6 +97,28 @@ def test_padding_slots_int64_history_and_preallocated_out():
     assert got.num_valid[1] == 0 and got.num_valid[3] == 0 and (got.tokens[[1, 3]] == 0).all()
 
 
+@pytest.mark.parametrize("block", [16, 128, None])  # None: the default block, wider than every history here
+def test_shapes_far_matches_and_near_misses_equal_reference(block):
+    gen = torch.Generator().manual_seed(11)
+    unique = list(range(1000, 1700))
+    seqs = [
+        unique[:6] + [1] + unique[6:] + unique[:6],  # the only occurrence is in the oldest block
+        unique[:5] + [2] + unique[6:600] + [unique[5]] * 3 + unique[:5] + [unique[5]],  # last token hits, nmin fails
+        torch.randint(0, 50_000, (700,), generator=gen).tolist(),  # large vocabulary: nearly every block dies at once
+        torch.randint(0, 3, (517,), generator=gen).tolist(),  # tiny vocabulary: every block extends
+        unique[:40] + unique[:40] + unique[:40],  # nmax-long matches: the scan stops at the newest block
+        [],
+    ]
+    history, lengths = _pack(seqs, width=730)
+    kwargs = {} if block is None else {"block": block}
+    for num_draft, nmin, nmax in [(8, 6, 12), (15, 4, 20), (3, 1, 2)]:
+        got = lookup_draft(history, lengths, num_draft, nmin, nmax, **kwargs)
+        _assert_same(got, lookup_draft_reference(history, lengths, num_draft, nmin, nmax))
+    got = lookup_draft(history, lengths, 8, 6, 12, **kwargs)
+    assert got.match_len.tolist()[:2] == [6, 0] and got.tokens[0, 0] == 1
+    assert got.match_len[4] == 12 and got.tokens[4].tolist() == unique[:8]
+
+
 def test_bad_parameters_raise():
     history, lengths = _pack([[1, 2, 3]])
     with pytest.raises(ValueError, match="nmin"):
@@ -107,6 +129,9 @@ def test_bad_parameters_raise():
         lookup_draft(history, lengths[:0], 2)
     with pytest.raises(ValueError, match="int32/int64"):
         lookup_draft(history.float(), lengths, 2)
+    for block in (0, 100):
+        with pytest.raises(ValueError, match="power of two"):
+            lookup_draft(history, lengths, 2, block=block)
 
 
 def test_out_of_range_slots_and_lengths_do_not_crash():

@@ -8,4 +8,4 @@ here imports the planning modules of `qwen_serving` (plan, knobs, memory, patchs
 tests/test_structure.py enforces both.
 """
 
-HOOK_COMPONENTS = ("attn", "sampler", "marlin", "mtp", "kv", "gdn", "env", "api")  # api: the HTTP server
+HOOK_COMPONENTS = ("attn", "sampler", "marlin", "mtp", "kv", "gdn", "env", "api", "spec")  # api: the HTTP server; spec: speculative decoding on the V2 runner

@@ -35,7 +35,8 @@ KV_MEM_PINNED = 5_583_457_484  # 5.2 GiB: the DFlash2 pool, pinned by bytes (spe
 KV_MEM_PINNED_HUGE = 5_261_334_937  # 4.90 GiB: the same for CTX=huge
 SERVED_NAME = "qwen3.8-27b"
 API_KEY_FILE = "api_key.txt"
-VISION_MAX_PIXELS = 2048 * 32 * 32  # 2048 image tokens of 32x32 pixels (16-pixel patches, 2x2 merge)
+VISION_IMAGE_TOKENS = 2048  # the pixel cap VISION=1 sets, in image tokens
+VISION_MAX_PIXELS = VISION_IMAGE_TOKENS * 32 * 32  # one image token per 32x32 pixels (16-pixel patches, 2x2 merge)
 HUGE_KV = "kvarn"  # the long-context cache dtype CTX=huge and KV=kvarn ask for (the KVarN cache is not built yet)
 
 

@@ -11,7 +11,7 @@ generation_config, and the BF16 vision tower under `model.visual.` (model.vision
 size carries it, shrunk in `tiny`), which VISION=1 loads and VISION=0 (--language-model-only) skips.
 
 Sizes: `tiny` (a few MB, CI; every quantized linear still fits Marlin's shape rules), `shape`
-(every real matrix shape, --layers deep, default 4) and `full` (64 layers, ~18.5 GB; generate it
+(every real matrix shape, --layers deep, default 4) and `full` (64 layers, ~19.4 GB; generate it
 on the GPU machine, where it is written straight from CUDA). Every tensor draws from its own
 generator seeded by (seed, tensor name): the same seed and device give byte-identical files
 (CPU and CUDA generators differ, so `--device` is part of the recipe). docs/synthetic.md lists

@@ -129,3 +129,28 @@ def test_auto_pool_takes_the_encoder_cache_out(tmp_path):
     assert text.kv_mem - vision.kv_mem == pytest.approx(memory.VISION_TOWER_BYTES + cache, abs=memory.MiB)
     assert any(f"{cache / memory.GiB:.2f} GiB encoder cache" in note for note in vision.notes)
     assert not any("encoder cache" in note for note in text.notes)
+
+
+def _smoke_api(monkeypatch, post_answer, text_only_prompt_tokens=12):
+    sys.path.insert(0, str(REPO / "bench"))
+    import api_smoke
+
+    sent = []
+    monkeypatch.setattr(api_smoke.Api, "post", lambda self, path, body: sent.append(body) or post_answer)
+    monkeypatch.setattr(api_smoke.Api, "chat", lambda self, **body: sent.append(body) or {
+        "usage": {"prompt_tokens": text_only_prompt_tokens, "completion_tokens": 8}})
+    return api_smoke, object.__new__(api_smoke.Api), sent
+
+
+def test_api_smoke_image_request_skips_without_the_tower_and_counts_image_tokens(monkeypatch):
+    refusal = (400, {"error": {"message": "At most 0 image(s) may be provided in one prompt."}})
+    api_smoke, api, sent = _smoke_api(monkeypatch, refusal)
+    with pytest.raises(api_smoke.Inconclusive, match="without the vision tower"):
+        api_smoke.check_image(api)
+    (part,) = [p for p in sent[0]["messages"][0]["content"] if p["type"] == "image_url"]
+    assert part["image_url"]["url"].startswith("data:image/png;base64,")
+    api_smoke, api, _ = _smoke_api(monkeypatch, (200, {"usage": {"prompt_tokens": 78, "completion_tokens": 8}}))
+    assert "became 66 prompt tokens" in api_smoke.check_image(api)
+    api_smoke, api, _ = _smoke_api(monkeypatch, (200, {"usage": {"prompt_tokens": 14, "completion_tokens": 8}}))
+    with pytest.raises(AssertionError, match="not expanded"):  # the image was dropped, not encoded
+        api_smoke.check_image(api)

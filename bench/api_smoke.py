@@ -10,15 +10,19 @@ the plain greedy answer has no text (a random model can repeat a token that deco
 can hold back every delta) or a json_schema answer runs out of tokens inside a whitespace run the grammar
 allows, the check asks again under a structured-output constraint that only visible text satisfies
 (`VISIBLE_TEXT`, `COMPACT_TOWN`, `VISIBLE_ANTHROPIC`) and says so in its detail; real weights answer the
-plain request, so there the checks are the plain ones. SKIP is left for a server without a tool parser.
+plain request, so there the checks are the plain ones. SKIP is left for a server without a tool parser, and for
+the image request on a server without the vision tower (VISION=0 serves --language-model-only).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
+import struct
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -237,11 +241,44 @@ def check_anthropic_stream(api: Api) -> str:
     return f"{len(events)} events, text equals the unstreamed answer{note}"
 
 
+def png_data_url(width: int = 64, height: int = 64) -> str:
+    """A data URL of an RGB gradient PNG, written with the standard library (no image package on the client)."""
+    rows = b"".join(b"\x00" + bytes(v for x in range(width) for v in (x * 255 // width, y * 255 // height, 128))
+                    for y in range(height))  # filter byte 0 (none) before every row
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + \
+        chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+NO_TOWER = "At most 0 image(s)"  # vLLM 0.28.0's refusal when the image limit is 0 (--language-model-only)
+
+
+def check_image(api: Api) -> str:
+    question = {"type": "text", "text": "What colours does this image have?"}
+    image = {"type": "image_url", "image_url": {"url": png_data_url()}}
+    body = {**NO_THINK, "max_tokens": 8, "temperature": 0}
+    status, out = api.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [image, question]}],
+                                                    **body})
+    if status == 400 and NO_TOWER in json.dumps(out):
+        raise Inconclusive("the server runs without the vision tower (VISION=0: --language-model-only)")
+    assert status == 200, f"HTTP {status}: {json.dumps(out)[:300]}"
+    text_only = api.chat(messages=[{"role": "user", "content": [question]}], **body)
+    image_tokens = out["usage"]["prompt_tokens"] - text_only["usage"]["prompt_tokens"]
+    assert image_tokens > 2, f"the image added {image_tokens} prompt tokens: it was not expanded into image tokens"
+    assert out["usage"]["completion_tokens"] > 0, out["usage"]
+    return f"a 64x64 PNG data URL became {image_tokens} prompt tokens (markers included); answered"
+
+
 CHECKS: list[tuple[str, Callable[[Api], str]]] = [
     ("chat", check_chat), ("logprobs", check_logprobs), ("prompt_logprobs", check_prompt_logprobs),
     ("n", check_n), ("stop", check_stop), ("seed", check_seed), ("structured_output", check_structured),
     ("penalties", check_penalties), ("streaming", check_streaming), ("tool_call", check_tool_call),
     ("anthropic_messages", check_anthropic), ("anthropic_streaming", check_anthropic_stream),
+    ("image", check_image),
 ]
 
 

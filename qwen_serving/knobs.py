@@ -35,7 +35,8 @@ KV_MEM_PINNED = 5_583_457_484  # 5.2 GiB: the DFlash2 pool, pinned by bytes (spe
 KV_MEM_PINNED_HUGE = 5_261_334_937  # 4.90 GiB: the same for CTX=huge
 SERVED_NAME = "qwen3.8-27b"
 API_KEY_FILE = "api_key.txt"
-VISION_MAX_PIXELS = 2048 * 32 * 32  # 2048 image tokens of 32x32 pixels (16-pixel patches, 2x2 merge)
+VISION_IMAGE_TOKENS = 2048  # the pixel cap VISION=1 sets, in image tokens
+VISION_MAX_PIXELS = VISION_IMAGE_TOKENS * 32 * 32  # one image token per 32x32 pixels (16-pixel patches, 2x2 merge)
 HUGE_KV = "kvarn"  # the long-context cache dtype CTX=huge and KV=kvarn ask for (the KVarN cache is not built yet)
 
 
@@ -484,7 +485,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("TOOL_PARSER", _text, _rules(Rule("qwen3_coder")),
          "must read the XML calls this model's template emits; `hermes` reads JSON and fails silently"),
     Knob("VISION", _bit, _rules(Rule(0)),
-         "1 keeps the vision tower (0.858 GiB) instead of `--language-model-only`; one image per prompt",
+         "1 keeps the vision tower (0.858 GiB) instead of `--language-model-only`; one image per prompt of at most "
+         f"{VISION_IMAGE_TOKENS} image tokens (`max_pixels`), both overridable from EXTRA_ARGS",
          argv=_switch(["--limit-mm-per-prompt", json.dumps({"image": 1}),
                        "--mm-processor-kwargs", json.dumps({"max_pixels": VISION_MAX_PIXELS})],
                       ["--language-model-only"])),
@@ -540,8 +542,8 @@ CHECKS: tuple[Check, ...] = (
     Check({"SPEC": "dflash2", "DRAFT_TOKENS": SET},
           "DRAFT_TOKENS is MTP's depth; with SPEC=dflash2 set DFLASH_TOKENS", warn=True),
     Check({"SPEC": "dflash2", "VISION": 1},
-          "SPEC=dflash2 VISION=1 does not boot on a 24 GB card without offloading the vision tower, "
-          "which is not built yet (spec)", warn=True),
+          "SPEC=dflash2 VISION=1 does not boot on a 24 GB card without offloading the vision tower to host RAM, "
+          "which this project does not offer yet (spec); use SPEC=mtp with VISION=1 there", warn=True),
     Check({"mode": "single", "PREFILL_ATTN": "int8", "INT8_ACT": Not("int8")},
           "PREFILL_ATTN=int8 alone is noise-to-slightly-positive (spec); pair it with INT8_ACT=int8", warn=True),
 )

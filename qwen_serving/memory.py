@@ -218,7 +218,17 @@ def int_bytes(params: int, bits: int, group: int = 128) -> float:
     return params * (bits / 8 + 2 / group)
 
 
-VISION_TOWER_BYTES = 0.858 * GiB  # spec figure: the BF16 vision tower of this checkpoint
+VISION_TOWER_BYTES = 0.858 * GiB  # spec figure: the BF16 vision tower of this checkpoint (model.vision_tower_bytes)
+
+
+def encoder_cache_bytes(batched_tokens: int, image_tokens: int) -> int:
+    """VISION=1: the encoder outputs vLLM 0.28.0 keeps on the card while it profiles the pool. Its profile run
+    encodes dummy images up to the encoder budget (v1/core/encoder_cache_manager.py compute_mm_encoder_budget:
+    max(--max-num-batched-tokens, one image's tokens)) and holds their BF16 rows of the text width in the encoder
+    cache through the text model's dummy forward, so they count beside the activation peak. The encoder's own
+    activations (its widest: 4 x one image's patches x the 4304-wide MLP) come before and are taken to stay
+    under ACTIVATION_PEAK_BYTES, which the text model's dummy forward reaches (an assumption the GPU run checks)."""
+    return max(batched_tokens, image_tokens) * model.HIDDEN * model.DTYPE_BYTES[model.DTYPE]
 
 
 @dataclass(frozen=True)
@@ -276,8 +286,9 @@ def beside_pool_bytes(tp: int = 1) -> float:
     return CUDAGRAPH_BYTES + ACTIVATION_PEAK_BYTES + (TP_COMM_BYTES if tp > 1 else 0)
 
 
-def auto_kv_mem(free_bytes: int, weights: float, margin: int = AUTO_MARGIN_BYTES, tp: int = 1) -> int:
+def auto_kv_mem(free_bytes: int, weights: float, margin: int = AUTO_MARGIN_BYTES, tp: int = 1,
+                encoder_cache: int = 0) -> int:
     """KV_MEM=auto on one card: its free VRAM minus its weights (weights_bytes(..., tp)), graphs, the activation
-    peak, the communicators under TP and a margin, in MiB steps."""
-    pool = free_bytes - weights - beside_pool_bytes(tp) - margin
+    peak, the communicators under TP, VISION=1's encoder cache (encoder_cache_bytes) and a margin, in MiB steps."""
+    pool = free_bytes - weights - beside_pool_bytes(tp) - encoder_cache - margin
     return max(0, int(pool) // MiB * MiB)

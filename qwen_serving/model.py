@@ -10,6 +10,8 @@ DTYPE_BYTES turns them into bytes.
 
 from __future__ import annotations
 
+import math
+
 # ---- the text model ----
 HIDDEN = 5120  # hidden_size
 INTERMEDIATE = 17408  # intermediate_size (the SiLU MLP of every layer)
@@ -111,8 +113,13 @@ def tp_sizes(splits: tuple[tuple[str, int, int], ...] = TP_SPLITS) -> tuple[int,
     return tuple(tp for tp in TP_TRIED if not tp_problems(tp, splits))
 
 
-# The vision tower's config (vision_config). The server runs --language-model-only, so only the synthetic
-# checkpoints read it (the tower's depth names the modules compressed-tensors leaves unquantized).
+# ---- the vision tower (vision_config) ----
+# Qwen3.5's ViT as vLLM 0.28.0's qwen3_vl.py Qwen3_VisionTransformer builds it: a Conv3d patch embed over
+# 2 frames x 16 x 16 pixels, learned position embeddings on a 48 x 48 grid (interpolated to the image),
+# 27 pre-LayerNorm blocks (fused qkv with bias, 2D RoPE, GELU-tanh MLP with bias), then a merger that
+# concatenates 2 x 2 neighbouring patches, LayerNorms and projects them to the text width through a GELU
+# MLP. No deepstack_visual_indexes: Qwen3.5's config has none, so the tower emits only the merger's rows.
+# VISION=0 serves --language-model-only and never builds it; the synthetic checkpoints write it (synth.py).
 VISION_CONFIG = {
     "depth": 27,
     "hidden_act": "gelu_pytorch_tanh",
@@ -128,6 +135,46 @@ VISION_CONFIG = {
     "spatial_merge_size": 2,
     "temporal_patch_size": 2,
 }
+
+
+def vision_tensor_shapes(config: dict = VISION_CONFIG) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the tower by its checkpoint name (`model.visual.` dropped), in module order. All are
+    BF16 in the export; the linears are in the quantization config's `ignore`."""
+    width, mlp, depth = config["hidden_size"], config["intermediate_size"], config["depth"]
+    merged = width * config["spatial_merge_size"] ** 2  # the merger's input: 2 x 2 patches side by side
+    patch = (config["in_channels"], config["temporal_patch_size"], config["patch_size"], config["patch_size"])
+    shapes: dict[str, tuple[int, ...]] = {
+        "patch_embed.proj.weight": (width, *patch),
+        "patch_embed.proj.bias": (width,),
+        "pos_embed.weight": (config["num_position_embeddings"], width),
+    }
+
+    def linear(name: str, out_features: int, in_features: int) -> None:
+        shapes[f"{name}.weight"] = (out_features, in_features)
+        shapes[f"{name}.bias"] = (out_features,)
+
+    def layer_norm(name: str, size: int) -> None:
+        shapes[f"{name}.weight"] = (size,)
+        shapes[f"{name}.bias"] = (size,)
+
+    for i in range(depth):
+        block = f"blocks.{i}"
+        layer_norm(f"{block}.norm1", width)
+        layer_norm(f"{block}.norm2", width)
+        linear(f"{block}.attn.qkv", 3 * width, width)
+        linear(f"{block}.attn.proj", width, width)
+        linear(f"{block}.mlp.linear_fc1", mlp, width)
+        linear(f"{block}.mlp.linear_fc2", width, mlp)
+    layer_norm("merger.norm", width)
+    linear("merger.linear_fc1", merged, merged)
+    linear("merger.linear_fc2", config["out_hidden_size"], merged)
+    return shapes
+
+
+def vision_tower_bytes(config: dict = VISION_CONFIG) -> int:
+    """The tower's BF16 weights in bytes (921,460,192 for the real tower: the spec's 0.858 GiB)."""
+    return sum(math.prod(shape) for shape in vision_tensor_shapes(config).values()) * DTYPE_BYTES[DTYPE]
+
 
 # ---- the DFlash2 drafter (SPEC=dflash2) ----
 # 5 Qwen3-style sliding-window layers. Its 8 KV heads x 128 give the same bytes per token as the target's

@@ -255,6 +255,7 @@ def build(mode: str, env: Mapping[str, str], probe: Probe | None = None, require
     missing = _first_start_steps(v, model, probe, draft_head)
     key, key_source = api_key(env, probe.repo)
     warnings += _check(v, probe, key, require_files, notes)
+    _check_vision(v, _in_repo(probe, served))
     sized, cache, weights = _size_pool(v, model, probe, notes, derived)
     argv, out_env = knobs.render(v, sized)
     if v.spec == "dflash2" and probe.wsl2 and env.get(WSL2_PIN_MEMORY) != "1":
@@ -417,6 +418,27 @@ def _check(v: Values, probe: Probe, key: str, require_files: bool, notes: list[s
     return warnings
 
 
+VLLM_BATCHED_TOKENS = 8192  # --max-num-batched-tokens where the mode leaves it to vLLM (batch)
+VISUAL_PREFIX = "model.visual."  # the tower's tensors in the checkpoint (vLLM maps them to `visual.`)
+
+
+def _check_vision(v: Values, model_dir: Path) -> None:
+    """VISION=1 on a checkpoint the plan can read: vLLM needs the tower's weights (else its loader stops after
+    minutes with "weights were not initialized") and the image processor's config (else no image parses)."""
+    if not v.vision:
+        return
+    try:
+        weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not there yet, or not readable: prepare_status and vLLM judge it
+    if not any(name.startswith(VISUAL_PREFIX) for name in weight_map):
+        _refuse(f"VISION=1 needs the vision tower, and {model_dir} has no {VISUAL_PREFIX}* tensors (a text-only "
+                "checkpoint); serve one that has it (MODEL=...), or VISION=0")
+    if not (model_dir / "preprocessor_config.json").is_file():
+        _refuse(f"VISION=1 needs the image processor's preprocessor_config.json, and {model_dir} has none; copy it "
+                "from the checkpoint's repository, or VISION=0")
+
+
 def _size_pool(v: Values, model: str, probe: Probe, notes: list[str],
                derived: list[Derived]) -> tuple[Sized, memory.CacheShape | None, int]:
     """The KV layout, the pool in bytes (KV_MEM, or from free VRAM for `auto`) and the context it holds."""
@@ -434,12 +456,19 @@ def _size_pool(v: Values, model: str, probe: Probe, notes: list[str],
     if kv_dtype != HUGE_KV:
         cache = memory.CacheShape(kv_dtype=kv_dtype, state_dtype=v.state_dtype, spec=v.spec,
                                   spec_tokens=_spec_tokens(v), prefix_cache=bool(v.prefix_cache),
-                                  async_scheduling=bool(v.async_sched), max_num_batched_tokens=batched_tokens or 8192,
+                                  async_scheduling=bool(v.async_sched), max_num_batched_tokens=batched_tokens or VLLM_BATCHED_TOKENS,
                                   tp=v.tp)
     weights = memory.weights_bytes(v.spec, fast_variant=(model == FAST_MODEL), vision=bool(v.vision), tp=v.tp)
+    encoder_cache = _encoder_cache(v.mode, bool(v.vision))
+    if v.vision:
+        derived.append(Derived("vision tower", f"{_gib(memory.VISION_TOWER_BYTES)} + {encoder_cache // memory.MiB} MiB encoder "
+                                               "cache", f"BF16 weights (in the weights below), whole on every card; "
+                                               f"1 image per prompt of at most {knobs.VISION_IMAGE_TOKENS:,} tokens "
+                                               f"({knobs.VISION_MAX_PIXELS:,} pixels); the encoder outputs vLLM "
+                                               "profiles beside the activation peak"))
     kv_mem = v.kv_mem if isinstance(v.kv_mem, int) else None
     if v.kv_mem == "auto":
-        kv_mem = _auto_pool(v, probe, weights, notes)
+        kv_mem = _auto_pool(v, probe, weights, encoder_cache, notes)
     max_len = v.max_len
     len_explicit = "MAX_LEN" in v.explicit or (v.spec == "dflash2" and "DFLASH_MAX_LEN" in v.explicit)
     if cache and v.kv_mem == "auto" and not len_explicit and not cache.fits(kv_mem, max_len):
@@ -462,7 +491,13 @@ def _size_pool(v: Values, model: str, probe: Probe, notes: list[str],
     return Sized(model, max_len, kv_mem, kv_dtype, backend, batched_tokens), cache, weights
 
 
-def _auto_pool(v: Values, probe: Probe, weights: float, notes: list[str]) -> int:
+def _encoder_cache(mode: str, vision: bool) -> int:
+    """VISION=1: the encoder cache vLLM profiles (memory.encoder_cache_bytes); 0 without the tower."""
+    batched = memory.PREFILL_CHUNK if mode == "single" else VLLM_BATCHED_TOKENS
+    return memory.encoder_cache_bytes(batched, knobs.VISION_IMAGE_TOKENS) if vision else 0
+
+
+def _auto_pool(v: Values, probe: Probe, weights: float, encoder_cache: int, notes: list[str]) -> int:
     """KV_MEM=auto: what the card with the least free VRAM leaves (vLLM gives every card the same pool)."""
     cards = probe.gpus()
     if not cards:
@@ -472,12 +507,14 @@ def _auto_pool(v: Values, probe: Probe, weights: float, notes: list[str]) -> int
         _refuse(f"TP={v.tp} needs {v.tp} cards and {probe.vram_source} sees {len(cards)}; set TP={len(cards)}, or make "
                 f"{v.tp} cards visible (CUDA_VISIBLE_DEVICES, docker-compose.yml's GPU count)")
     free = min(f for f, _ in cards)
-    kv_mem = memory.auto_kv_mem(free, weights, tp=v.tp)
+    kv_mem = memory.auto_kv_mem(free, weights, tp=v.tp, encoder_cache=encoder_cache)
     per = " per card" if v.tp > 1 else ""
     comm = f" - {_gib(memory.TP_COMM_BYTES)} communicators" if v.tp > 1 else ""
+    encoder = f" - {_gib(encoder_cache)} encoder cache" if encoder_cache else ""
     notes.append(f"KV_MEM=auto -> {kv_mem} bytes ({kv_mem / memory.GiB:.2f} GiB{per}): {_gib(free)} free "
                  f"- {_gib(weights)} weights - {_gib(memory.CUDAGRAPH_BYTES)} graphs - "
-                 f"{_gib(memory.ACTIVATION_PEAK_BYTES)} activation peak{comm} - {_gib(memory.AUTO_MARGIN_BYTES)} margin")
+                 f"{_gib(memory.ACTIVATION_PEAK_BYTES)} activation peak{comm}{encoder} - "
+                 f"{_gib(memory.AUTO_MARGIN_BYTES)} margin")
     if len({f for f, _ in cards}) > 1 or len(cards) > v.tp:
         listed = ", ".join(f"{_gib(f)}" for f, _ in cards)
         notes.append(f"KV_MEM=auto: the {len(cards)} visible cards have {listed} free; the smallest ({_gib(free)}) "
@@ -576,8 +613,10 @@ def explain_lines(plan: ServePlan, probe: Probe) -> list[str]:
             spec = plan.value("SPEC") if "SPEC" in plan.settings else "off"
             weights = memory.weights_bytes(spec, fast_variant=FAST_MODEL in plan.argv[2],
                                            vision=bool(plan.value("VISION")), tp=tp)
-            fit = memory.auto_kv_mem(min(cards)[0], weights, tp=tp)
+            encoder_cache = _encoder_cache(plan.mode, bool(plan.value("VISION")))
+            fit = memory.auto_kv_mem(min(cards)[0], weights, tp=tp, encoder_cache=encoder_cache)
             comm = " - communicators" if tp > 1 else ""
+            comm += " - encoder cache" if encoder_cache else ""
             lines.append(f"{'KV_MEM=auto would pin':32} = {_gib(fit) + _per_card(tp):24} free - weights - graphs - "
                          f"activation peak{comm} - {_gib(memory.AUTO_MARGIN_BYTES)} margin")
             if fit > 0:

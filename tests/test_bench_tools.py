@@ -74,7 +74,7 @@ def test_api_smoke_without_server_fails_every_check():
     import api_smoke
 
     res = run(sys.executable, str(BENCH / "api_smoke.py"), "--url", "http://127.0.0.1:9")
-    assert res.returncode == len(api_smoke.CHECKS) == 12
+    assert res.returncode == len(api_smoke.CHECKS) == 13  # 13: the image request (issue #23)
     assert res.stdout.startswith("FAIL server: no usable server at http://127.0.0.1:9")
 
 

@@ -29,6 +29,11 @@ asserted below: explain lists TP (`TP = 1 default`, dropped from the new output 
 tensor-parallel size no longer travels in EXTRA_ARGS: the configuration that passed it there is refused
 with a pointer at TP (in FALSE_OK), and EXTRA_ARGS's one-line doc, which a refusal quotes, no longer
 suggests it (OLD_EXTRA_ARGS_DOC is replaced by the new doc in the old output).
+
+Issue #23 ("Images") added one derived line to explain with VISION=1: "vision tower" (the tower's weights and
+the encoder cache the memory model counts), dropped from the new output (VISION_LINE), exactly once there and
+nowhere else. The fixture's runs have no card, so no KV_MEM=auto figure (which now takes the encoder cache
+out) is in it.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ FALSE_OK = {("single", "CTX", "huge"): "CTX=huge needs the KVarN long-context KV
             ("single", "MODEL", "/no/such/dir"): "MODEL=/no/such/dir does not exist",
             ("batch", "EXTRA_ARGS", "--tensor-parallel-size 2 --seed 1"): "drop it and set TP=2"}
 TP_LINE = re.compile(r"^TP += 1 +default\n", re.M)
+VISION_LINE = re.compile(r"^vision tower += .*\n", re.M)
 OLD_EXTRA_ARGS_DOC = "appended to the vllm argv as is (e.g. `--tensor-parallel-size 2`)"
 
 
@@ -116,6 +122,8 @@ def test_rendering_is_unchanged(mode, env, before):
                 assert cut.count("not checked yet") == len(cut.splitlines()) >= 1
                 new_text, tp_lines = TP_LINE.subn("", new_text)
                 assert tp_lines == 1, "explain lists TP once"
+                new_text, vision_lines = VISION_LINE.subn("", new_text)
+                assert vision_lines == (env.get("VISION") == "1"), "explain shows the tower with VISION=1 only"
             old_text, old_lines = split_draft_lines(old_text)
             new_text, new_lines = split_draft_lines(new_text)
             draft_old += old_lines

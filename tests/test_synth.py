@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from qwen_serving import model
 from qwen_serving.checkpoint import synth
 from qwen_serving.checkpoint.int4 import dequantize_int4_groups, negative_scale_share, unpack_int4
 from qwen_serving.checkpoint.synth_tokenizer import ADDED_TOKENS, special_token_ids, tokenizer_size
@@ -94,7 +95,7 @@ def test_tensors_have_the_planned_shapes_and_dtypes(tensors, tiny_plan):
     assert tensors["lm_head.weight"].dtype == torch.bfloat16
     mtp = [n for n in tensors if n.startswith("mtp.")]
     assert mtp and all(tensors[n].dtype == torch.bfloat16 for n in mtp)
-    assert not any("visual" in n for n in tensors)
+    assert any(n.startswith(synth.VISUAL) for n in tensors)  # the tower too (test_the_tower_is_written_...)
 
 
 # ---------------------------------------------------------------- int4 contents
@@ -315,11 +316,39 @@ def test_full_plan_has_the_real_shapes_and_size():
     kinds = synth.layer_types(synth.FULL_LAYERS)
     assert kinds.count("linear_attention") == 48 and kinds.count("full_attention") == 16
     total = sum(synth.entry_bytes(e) for e in plan)
-    assert 18.0e9 < total < 19.0e9
+    assert 19.0e9 < total < 20.0e9  # ~18.5 GB of text model + the 0.92 GB tower
+    visual = {name.removeprefix(synth.VISUAL): shape for name, shape in shapes.items() if name.startswith(synth.VISUAL)}
+    assert visual == model.vision_tensor_shapes()
+    assert visual["patch_embed.proj.weight"] == (1152, 3, 2, 16, 16)
+    assert visual["blocks.26.attn.qkv.weight"] == (3 * 1152, 1152)
+    assert visual["merger.linear_fc1.weight"] == (4 * 1152, 4 * 1152)
+    assert visual["merger.linear_fc2.weight"] == (5120, 4 * 1152)
+    tower = sum(synth.entry_bytes(e) for e in plan if e.tensors()[0][0].startswith(synth.VISUAL))
+    assert tower == model.vision_tower_bytes()
     mtp = sum(synth.entry_bytes(e) for e in plan if e.tensors()[0][0].startswith("mtp."))
     assert 0.8e9 < mtp < 0.9e9
     shards = synth.shard_plan(plan, synth.MAX_SHARD_BYTES["full"])
     assert all(sum(synth.entry_bytes(e) for e in shard) <= 5e9 for shard in shards)
+
+
+def test_the_tower_is_written_in_bf16_with_the_configs_shapes(tiny, tensors, config):
+    visual = {name.removeprefix(synth.VISUAL): t for name, t in tensors.items() if name.startswith(synth.VISUAL)}
+    assert {name: tuple(t.shape) for name, t in visual.items()} == model.vision_tensor_shapes(config["vision_config"])
+    assert {t.dtype for t in visual.values()} == {torch.bfloat16}
+    assert "deepstack_visual_indexes" not in config["vision_config"]  # Qwen3.5: the merger's rows only
+    assert float(visual["blocks.0.norm1.weight"].float().mean()) == pytest.approx(1.0, abs=0.02)  # LayerNorm: w
+    pre = json.loads((tiny / "preprocessor_config.json").read_text())
+    vision = config["vision_config"]
+    assert (pre["patch_size"], pre["merge_size"], pre["temporal_patch_size"]) == (
+        vision["patch_size"], vision["spatial_merge_size"], vision["temporal_patch_size"])
+
+
+def test_a_scripted_checkpoint_carries_the_same_tower(tiny, tensors, tmp_path):
+    scripted = _generate(tmp_path / "scripted", 0, "--behaviour", "scripted")
+    stored = dict(synth.iter_checkpoint(scripted))
+    visual = [name for name in tensors if name.startswith(synth.VISUAL)]
+    assert visual and all(torch.equal(stored[name], tensors[name]) for name in visual)
+    assert (scripted / "preprocessor_config.json").read_bytes() == (tiny / "preprocessor_config.json").read_bytes()
 
 
 def test_plan_refuses_shapes_marlin_cannot_run():

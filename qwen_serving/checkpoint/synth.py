@@ -7,11 +7,11 @@ Random weights, real format: a `Qwen3_5ForConditionalGeneration` config (hybrid 
 symmetric group-128 linears with about half of the group scales negative (codes negated with them,
 so the dequantized weight is unchanged), bf16 embed_tokens / lm_head / MTP module / small GDN
 projections, sharded safetensors + index, a tokenizer trained here, a Qwen-style chat template and
-generation_config. No visual-tower weights are written: the server always runs with
---language-model-only, where vLLM builds the tower on the meta device and skips it when loading.
+generation_config, and the BF16 vision tower under `model.visual.` (model.vision_tensor_shapes: every
+size carries it, shrunk in `tiny`), which VISION=1 loads and VISION=0 (--language-model-only) skips.
 
 Sizes: `tiny` (a few MB, CI; every quantized linear still fits Marlin's shape rules), `shape`
-(every real matrix shape, --layers deep, default 4) and `full` (64 layers, ~18.5 GB; generate it
+(every real matrix shape, --layers deep, default 4) and `full` (64 layers, ~19.4 GB; generate it
 on the GPU machine, where it is written straight from CUDA). Every tensor draws from its own
 generator seeded by (seed, tensor name): the same seed and device give byte-identical files
 (CPU and CUDA generators differ, so `--device` is part of the recipe). docs/synthetic.md lists
@@ -39,10 +39,12 @@ from qwen_serving.checkpoint.synth_tokenizer import tokenizer_size, write_tokeni
 from qwen_serving.model import layer_types
 
 LM = "model.language_model."
+VISUAL = "model.visual."
 CODE_RMS = 4.5  # rms of uniform int4 codes: a scale of 1/(CODE_RMS*sqrt(in)) gives weights of std ~1/sqrt(in)
 EMBED_STD = 1.0
 LOGIT_STD = 3.0  # lm_head std * sqrt(hidden): spread logits, so greedy picks are rarely near-ties
 NORM_STD = 0.05
+VISION_SMALL_STD = 0.02  # the tower's biases and position embeddings (vision_config initializer_range)
 MARLIN_MIN_OUT, MARLIN_MIN_IN = 64, 128  # GPTQ_MARLIN_MIN_THREAD_N / _K in vLLM's marlin_utils.py
 
 
@@ -206,7 +208,24 @@ def checkpoint_plan(d: TextDims, num_layers: int) -> list[Entry]:
     plan.append(_norm("mtp.pre_fc_norm_hidden.weight", d.hidden))
     plan += _decoder_layer("mtp.layers.0", "full_attention", d, quantized=False)
     plan.append(_norm("mtp.norm.weight", d.hidden))
+    plan += _vision_tower(d.vision)
     return plan
+
+
+def _vision_tower(config: dict) -> list[Dense]:
+    """The BF16 tower: LayerNorms about (1, 0), linears and the patch conv with std 1/sqrt(fan-in), small biases
+    and position embeddings (random weights whose activations stay finite through every block)."""
+    entries = []
+    for name, shape in model.vision_tensor_shapes(config).items():
+        if name.endswith(".bias"):
+            entries.append(Dense(f"{VISUAL}{name}", shape, torch.bfloat16, "normal", VISION_SMALL_STD))
+        elif ".norm" in name:
+            entries.append(_norm(f"{VISUAL}{name}", shape[0], centre="one"))
+        elif name == "pos_embed.weight":
+            entries.append(Dense(f"{VISUAL}{name}", shape, torch.bfloat16, "normal", VISION_SMALL_STD))
+        else:
+            entries.append(Dense(f"{VISUAL}{name}", shape, torch.bfloat16, "normal", math.prod(shape[1:]) ** -0.5))
+    return entries
 
 
 def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -320,10 +339,9 @@ def entry_values(seed: int, entry: Entry, device: torch.device) -> dict[str, tor
 def ignored_modules(d: TextDims, num_layers: int) -> list[str]:
     """compressed-tensors `ignore`: every linear-like module left unquantized, in module order."""
     names = [f"{LM}embed_tokens"]
-    for i in range(d.vision["depth"]):
-        block = f"model.visual.blocks.{i}"
-        names += [f"{block}.attn.qkv", f"{block}.attn.proj", f"{block}.mlp.linear_fc1", f"{block}.mlp.linear_fc2"]
-    names += ["model.visual.merger.linear_fc1", "model.visual.merger.linear_fc2"]
+    # the tower's linears (its patch embed is a Conv3d, outside the `Linear` target)
+    names += [f"{VISUAL}{name.removesuffix('.weight')}" for name, shape in model.vision_tensor_shapes(d.vision).items()
+              if name.endswith(".weight") and len(shape) == 2 and name != "pos_embed.weight"]
     for i, kind in enumerate(layer_types(num_layers)):
         if kind == "linear_attention":
             names += [f"{LM}layers.{i}.linear_attn.in_proj_b", f"{LM}layers.{i}.linear_attn.in_proj_a"]
@@ -421,6 +439,22 @@ def model_config(d: TextDims, num_layers: int, ids: dict[str, int]) -> dict:
     }
 
 
+def preprocessor_config(d: TextDims) -> dict:
+    """preprocessor_config.json of the Qwen3-VL-style export: the image processor's patch grid follows the
+    tower's; pixels are scaled to [-1, 1] (mean and std 0.5); `size` bounds an image's pixel count (VISION=1
+    lowers longest_edge through --mm-processor-kwargs max_pixels)."""
+    return {
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "image_std": [0.5, 0.5, 0.5],
+        "merge_size": d.vision["spatial_merge_size"],
+        "patch_size": d.vision["patch_size"],
+        "processor_class": "Qwen3VLProcessor",
+        "size": {"longest_edge": 16_777_216, "shortest_edge": 65_536},
+        "temporal_patch_size": d.vision["temporal_patch_size"],
+    }
+
+
 def generation_config(ids: dict[str, int]) -> dict:
     return {
         "bos_token_id": ids["<|endoftext|>"],
@@ -464,6 +498,7 @@ def write_config_files(out_dir: Path, size: str, num_layers: int) -> None:
     ids = write_tokenizer(out_dir)
     _write_json(out_dir / "config.json", model_config(SIZES[size], num_layers, ids))
     _write_json(out_dir / "generation_config.json", generation_config(ids))
+    _write_json(out_dir / "preprocessor_config.json", preprocessor_config(SIZES[size]))
 
 
 def write_checkpoint(

@@ -30,9 +30,17 @@ class NoCompiledOps:
         return op
 
 
-def engine_config(path: Path, num_speculative_tokens: int, max_model_len: int):
-    """The engine config `vllm serve PATH --language-model-only` with MTP would build."""
-    return EngineArgs(model=str(path), language_model_only=True, max_model_len=max_model_len, enforce_eager=True,
+def engine_config(path: Path, num_speculative_tokens: int, max_model_len: int, vision_argv: list[str] | None = None):
+    """The engine config `vllm serve PATH --language-model-only` with MTP would build; with `vision_argv` (the
+    plan's VISION=1 flags, parsed by vLLM's own parser) the tower is built instead of --language-model-only."""
+    vision = {}
+    if vision_argv is not None:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parsed = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(vision_argv)
+        vision = {"limit_mm_per_prompt": parsed.limit_mm_per_prompt, "mm_processor_kwargs": parsed.mm_processor_kwargs}
+    return EngineArgs(model=str(path), language_model_only=vision_argv is None, max_model_len=max_model_len,
+                      enforce_eager=True, **vision,
                       speculative_config={"method": "mtp", "num_speculative_tokens": num_speculative_tokens}
                       ).create_engine_config()
 

@@ -401,8 +401,9 @@ KNOBS: tuple[Knob, ...] = (
          "KV cache: `fp8`; `int4pth` = vLLM's int4 per-token-head cache on the Triton backend; `kvarn` = the "
          "KVarN 4/2-bit cache (not built yet)", BATCH, argv=_kv_args),
     Knob("DFLASH_TOKENS", _int(7, 31), _rules(Rule(7)),
-         "DFlash2 verify block; the drafter always proposes 7, positions past 7 are filled from the context "
-         "(15 = reproduction mode: +47% when answers quote the prompt, half the seats)", SINGLE),
+         "DFlash2 verify block (vLLM's num_speculative_tokens); the drafter proposes 7. Filling the positions past 7 "
+         "from the context (the spec's reproduction mode at 15: +47% when answers quote the prompt, half the seats) is "
+         "not built yet (single-user/README.md, DFlash2)", SINGLE),
     Knob("DRAFT_TOKENS", _int(1, 8), _rules(
         Limit(3, {"CTX": ("long", "huge")}, "spec: k=4 dies with an illegal memory access on FlashInfer",
               allowed=at_most(3), checked_when={"SPEC": "mtp", "CTX": "long"},  # FlashInfer is CTX=long's backend

@@ -89,6 +89,7 @@ EXTRA_PARTS = {"scripted-stock": ("chisq", "prefix", "profile"), "scripted-stock
 QUALITY_TAG = "scripted-h200"
 PREFILL_AB_LENS = "1024,3072"  # within SCRIPTED_MAX_LEN
 SWEEP_SERVER_S = 60  # a sweep server's greedy, sampled and C1 parts
+CHISQ_ROWS_S = 150  # the --chisq-rows child per server: ~1e5 tokens through the float32 reference (estimate)
 # time limits (s); budget: the whole run, from start to the last server stopped
 LIMITS = {"synth": 420, "predict": 600, "boot": 600, "greedy": 240, "sampled": 300, "c1": 240, "chisq": 240,
           "chisq_rows": 300,
@@ -792,8 +793,9 @@ def run(args: argparse.Namespace) -> int:
                     measure_one(s, rec, prompts, sampling, left, out, sweep=index > 0)
                 take_prediction(rec, predictor, predict_out)
                 finish(rec, design, prompts.greedy)
-            # the tools only where the patched sweep still fits after them
+            # the tools only where the chi-square rows and the patched sweep still fit after them
             sweep_need = boot_s + len(all_waves[1]) * SWEEP_SERVER_S if len(all_waves) > 1 else 0
+            sweep_need += len(rec.samples) * CHISQ_ROWS_S if index == 0 else 0
             if index == 0 and deadline - time.monotonic() - sweep_need > LIMITS["quality"]:
                 wave_tools({s.cfg.name: s for s in servers}, rec, out, env, args.python, args.ckpt,
                            lambda limit, keep=sweep_need: max(0.0, min(limit, deadline - time.monotonic() - keep)))

@@ -340,12 +340,17 @@ def measure_greedy(client: serving.Client, model: str, prompts: Sequence[list[in
                        for t in traces]}
 
 
-def draft_sample(cmd: fb.ServerCommand) -> str | None:
-    """The server's draft_sample_method as vLLM is told it (None: no speculation)."""
+def speculative_config(cmd: fb.ServerCommand) -> dict | None:
+    """The --speculative-config the server is started with (None: no speculation)."""
     if "--speculative-config" not in cmd.argv:
         return None
-    spec = json.loads(cmd.argv[cmd.argv.index("--speculative-config") + 1])
-    return spec.get("draft_sample_method", "greedy")  # vLLM 0.28.0's default
+    return json.loads(cmd.argv[cmd.argv.index("--speculative-config") + 1])
+
+
+def draft_sample(cmd: fb.ServerCommand) -> str | None:
+    """The server's draft_sample_method as vLLM is told it (None: no speculation)."""
+    spec = speculative_config(cmd)
+    return None if spec is None else spec.get("draft_sample_method", "greedy")  # vLLM 0.28.0's default
 
 
 def measure_sampled(client: serving.Client, model: str, prompts: Sequence[list[int]],
@@ -656,6 +661,14 @@ def boot(servers: list[run_full.Server], rec: Record, out: Path, limit_s: float)
         rec.data["servers"][s.cfg.name].update(state=s.state, boot_s=s.start_seconds)
 
 
+def budget_spent(rec: Record, what: str, limit: float, left: Callable[[float], float], share: float) -> bool:
+    """True, with `what` recorded as skipped, when less than `share` of its limit is left of the run's budget."""
+    if left(limit) < limit * share:
+        rec.data["skipped"].append(f"{what} (run budget spent)")
+        return True
+    return False
+
+
 def wave_tools(servers: Mapping[str, run_full.Server], rec: Record, out: Path, env: Mapping[str, str],
                python: str, ckpt: Path, left: Callable[[float], float]) -> None:
     """Issue #22's tools against the first wave's servers, each a subprocess within its limit; its exit code and
@@ -674,8 +687,7 @@ def wave_tools(servers: Mapping[str, run_full.Server], rec: Record, out: Path, e
                                     "--out", str(out)]))
     tools = rec.data.setdefault("tools", {})
     for part, argv in runs:
-        if left(LIMITS[part]) < LIMITS[part] / 2:
-            rec.data["skipped"].append(f"{part} (run budget spent)")
+        if budget_spent(rec, part, LIMITS[part], left, share=0.5):
             continue
         t0 = time.monotonic()
         try:
@@ -846,9 +858,8 @@ def default_sampling(ckpt: Path) -> dict:
 
 def draft_tokens(cmd: fb.ServerCommand) -> int:
     """The server's k (0: no speculation)."""
-    if "--speculative-config" not in cmd.argv:
-        return 0
-    return int(json.loads(cmd.argv[cmd.argv.index("--speculative-config") + 1])["num_speculative_tokens"])
+    spec = speculative_config(cmd)
+    return 0 if spec is None else int(spec["num_speculative_tokens"])
 
 
 @dataclass(frozen=True)
@@ -894,8 +905,7 @@ def measure_one(server: run_full.Server, rec: Record, prompts: Prompts, sampling
     parts += [(part, extra[part]) for part in EXTRA_PARTS.get(name, ())]
     log(f"{name}: GPU before measuring (utilization, memory used): {run_full.gpu_state()}")
     for part, measure in parts:
-        if left(LIMITS[part]) < LIMITS[part] / 4:
-            rec.data["skipped"].append(f"{name}: {part} (run budget spent)")
+        if budget_spent(rec, f"{name}: {part}", LIMITS[part], left, share=0.25):
             continue
         t0 = time.monotonic()
         try:

@@ -7,6 +7,7 @@
 #    background, log /tmp/visit-tests.log;
 # 2b. (QS_SCRIPTED_LAYERS=1, the default) the scripted full checkpoint, then bench/gpu/scripted_layers.py: vLLM's
 #    modules, per-layer residual stream and logits against the reference (~5 min), before anything is measured;
+# 2c. (QS_GO_WAIT_S > 0) a wait for /tmp/qs-go, sourced: the budget of step 3 or QS_STOP=1;
 # 3. bench/gpu/scripted_mtp.py (the first wave and the sweep) within $QS_SCRIPTED_BUDGET_S seconds (default: the
 #    script's);
 # 4. the line `VISIT DONE`. tests/gpu/pack_scripted_visit.sh OUT packs whatever is there so far.
@@ -33,7 +34,18 @@ if [ "${QS_SCRIPTED_LAYERS:-1}" = 1 ]; then
   timeout 300 python3 bench/gpu/scripted_layers.py "$CKPT" --out /tmp/scripted-out/scripted-layers.json \
     --budget-s 240 > /tmp/scripted-layers.log 2>&1
   log "scripted_layers exit $?: $(tail -n 3 /tmp/scripted-layers.log | tr '\n' ' ')"
+  timeout 240 python3 bench/gpu/scripted_layers.py "$CKPT" --compiled --out /tmp/scripted-out/scripted-layers-compiled.json \
+    --budget-s 200 > /tmp/scripted-layers-compiled.log 2>&1
+  log "scripted_layers --compiled exit $?: $(tail -n 1 /tmp/scripted-layers-compiled.log)"
 fi
+
+# 2c. Time to read the layers report before anything is measured: wait up to QS_GO_WAIT_S (default 0) for
+# /tmp/qs-go, a shell file sourced here (QS_SCRIPTED_BUDGET_S=..., QS_STOP=1 to end the visit).
+waited=0
+while [ ! -f /tmp/qs-go ] && [ "$waited" -lt "${QS_GO_WAIT_S:-0}" ]; do sleep 2; waited=$((waited + 2)); done
+# shellcheck disable=SC1091
+[ -f /tmp/qs-go ] && source /tmp/qs-go && log "go file: $(tr '\n' ' ' < /tmp/qs-go)"
+if [ "${QS_STOP:-0}" = 1 ]; then echo "VISIT DONE"; exit 0; fi
 
 log "3. scripted run (log /tmp/scripted.log)"
 budget=()

@@ -44,6 +44,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench import harness  # noqa: E402
 from qwen_serving.checkpoint.scripted_reference import LM  # noqa: E402
 
 SCHEMA = "qwen-serving scripted-layers/1"
@@ -343,6 +344,17 @@ def table(report: dict) -> str:
 # ---------------------------------------------------------------- the run
 
 
+def patch_states(vllm_dir: Path) -> dict[str, str]:
+    """Each patch of the series: applied or not to the vLLM this run imported."""
+    from qwen_serving import patchset
+
+    try:
+        result = patchset.evaluate(vllm_dir, patchset.read_series(patchset.DEFAULT_SERIES))
+    except patchset.PatchError as err:
+        return {"error": str(err)}
+    return {name: state.value for name, state in result.states.items()}
+
+
 def _write(path: Path, report: dict) -> None:
     report["summary"] = summarize(report)
     tmp = path.with_name(path.name + ".tmp")
@@ -436,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     ids = design.walk(design.active[len(design.active) // 3], args.tokens - 1)
     report = {"schema": SCHEMA, "model_dir": str(args.model_dir), "env": ENGINE_ENV, "ids": ids,
               "chain_next": [design.next_in_chain(t) for t in ids], "compiled": args.compiled,
-              "phases_s": {}, "skipped": [], "errors": {},
+              "phases_s": {}, "skipped": [], "errors": {}, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "machine": harness.machine_facts(), "patches": patch_states(Path(vllm.__file__).parent),
               "versions": {"vllm": vllm.__version__, "torch": torch.__version__}}
     run = Run(args.out, args.budget_s, report)
 

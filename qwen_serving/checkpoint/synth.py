@@ -277,19 +277,21 @@ def intended_int4(
     """The weight a linear is meant to hold, as (codes int8, positive scales fp16, flip mask).
 
     Weight = scale * code. Groups in `flip` (about half, like the negative scales of AutoRound's
-    symmetric exports) are written with scale and codes negated; they draw codes from [-7, 7] so the
-    negation stays int4 (AutoRound itself can leave -8 under a negative scale: docs/synthetic.md).
+    symmetric exports) are written with scale and codes negated. Every group writes codes uniform on
+    [-8, 7] (AutoRound too leaves -8 under a negative scale: docs/synthetic.md), so a flipped group's
+    own codes lie on [-7, 8]: its weights average +scale/2 where an unflipped group's average -scale/2.
+    Without that balance every row would share a -scale/2 offset, a rank-one part that a 64-layer
+    residual stack amplifies layer after layer until the hidden state forgets its input.
     """
     out, inp = linear.out_features, linear.in_features
     gen = _generator(seed, linear.module, device)
     groups = inp // GROUP_SIZE
-    draw = torch.randint(0, 240, (out, inp), generator=gen, device=device, dtype=torch.int16)
+    draw = torch.randint(0, 16, (out, inp), generator=gen, device=device, dtype=torch.int16)
     flip = torch.rand((out, groups), generator=gen, device=device) < 0.5
     jitter = torch.rand((out, groups), generator=gen, device=device) * 0.45 + 0.8
     scales = (jitter / (CODE_RMS * math.sqrt(inp))).to(torch.float16)
     flip_cols = flip.repeat_interleave(GROUP_SIZE, dim=1)
-    # 240 = 16 * 15: draw % 16 is uniform on 16 codes, draw % 15 on 15
-    codes = torch.where(flip_cols, draw % 15 - 7, draw % 16 - 8).to(torch.int8)
+    codes = torch.where(flip_cols, 8 - draw, draw - 8).to(torch.int8)
     return codes, scales, flip
 
 

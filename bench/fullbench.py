@@ -121,8 +121,9 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
 # 8 requests of the greedy batch at once, memory.CacheShape.residents at 260 + 512 tokens). Then the k sweep,
 # one wave per stack (SCRIPTED_SWEEP). Raw logits in the logprobs: the near-tie rule (tests/gpu/smoke_lib.py)
 # reads logit gaps on the bf16 scale. The patched servers are the single-user plan as it stands (probabilistic
-# drafts, fp16 state, its prefill chunk), less the tool parser (its ijson dependency is staged separately, and
-# no request here calls a tool) and the draft vocabulary (this checkpoint has no draft head).
+# drafts, fp16 state, its prefill chunk, the draft head when the checkpoint they serve has one:
+# bench/gpu/scripted_mtp.py serves them the prepared copy), less the tool parser (its ijson dependency is staged
+# separately, and no request here calls a tool).
 SCRIPTED_MAX_LEN = 4096
 RAW_LOGITS = ("--logprobs-mode", "raw_logits")
 SCRIPTED_SWEEP_K = (1, 2, 3, 5, 7)
@@ -135,7 +136,7 @@ def _scripted(name: str, patched: bool, knobs: Mapping[str, str], what: str) -> 
 
 
 def _patched_mtp(k: int) -> dict[str, str]:
-    return {**PATCHED_SINGLE, "DRAFT_TOKENS": str(k), "MTP_DRAFT_VOCAB": "0"}
+    return {**PATCHED_SINGLE, "DRAFT_TOKENS": str(k)}
 
 
 SCRIPTED_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (

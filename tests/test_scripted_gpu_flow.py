@@ -9,6 +9,7 @@ chain (the likeliest token)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import http.server
 import json
@@ -41,6 +42,7 @@ import scripted_mtp as sm  # noqa: E402
 
 RECORDED = (REPO / "bench" / "fixtures" / "recorded" / "metrics-tiny-mtp.txt").read_text()
 CKPT, TRACES = Path("/ckpt/scripted"), Path("/out/traces")
+COVERAGE = 0.6  # of the tiny checkpoint's draft id list (the GPU run asks sm.DEFAULT_COVERAGE)
 
 
 def _command(cfg: fb.BenchConfig, port: int = 18060, ckpt: Path = CKPT) -> fb.ServerCommand:
@@ -146,7 +148,8 @@ def test_greedy_walk_by_hand():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("scripted-gpu") / "tiny"
-    argv = ["--size", "tiny", "--out", str(out), "--seed", "0", "--behaviour", "scripted", "--mtp-agree", "0.76"]
+    argv = ["--size", "tiny", "--out", str(out), "--seed", "0", "--behaviour", "scripted", "--mtp-agree", "0.76",
+            "--draft-coverage", str(COVERAGE)]
     assert synth.main(argv) == 0
     return out
 
@@ -188,6 +191,58 @@ def test_prediction_from_the_tiny_checkpoint(tiny, prediction):
     check = prediction["reference_check"]
     assert check["argmax_is_chain"] == check["positions"] == sm.REFERENCE_CHECK_TOKENS
     assert check["first_off_chain"] is None and check["wobble_std"] > 0.01 and check["min_top_gap"] > 0.8
+
+
+def _run_args(tiny: Path, tmp_path: Path, **over) -> argparse.Namespace:
+    values = {"ckpt": tiny, "prepared_ckpt": tmp_path / "prepared", "python": sys.executable, "agree": 0.76,
+              "coverage": COVERAGE, "site": Path("/nonexistent-site"), "device": "cpu", "budget_s": 600}
+    return argparse.Namespace(**{**values, **over})
+
+
+def test_the_patched_servers_serve_a_prepared_copy_with_its_draft_head(tiny, tmp_path, vllm_cli):
+    import hashlib
+
+    def digests(folder: Path) -> dict[str, str]:
+        return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir()) if f.is_file()}
+
+    before = digests(tiny)
+    args = _run_args(tiny, tmp_path)
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "SOURCE_DATE_EPOCH": "0"}
+    assert sm.make_checkpoint(args, env, tmp_path, lambda limit: limit)["draft_coverage"] == pytest.approx(
+        COVERAGE, abs=2 / len(scripted.Design.read(tiny).active))
+    done = sm.prepare_copy(args, env, tmp_path, lambda limit: limit)
+    assert set(done["steps_s"]) == {*sm.PREPARE_STEPS, "build_draft_vocab"}
+    assert not any("FAIL" in line for line in done["prepare_status"]), done["prepare_status"]
+    assert digests(tiny) == before  # the hard links still hold stock's bytes
+    prepared = json.loads((args.prepared_ckpt / "config.json").read_text())
+    ids = json.loads((tiny / scripted.DRAFT_IDS_FILE).read_text())["ids"]
+    assert prepared["draft_vocab"]["size"] == len(ids) and "draft_vocab" not in json.loads(
+        (tiny / "config.json").read_text())
+    assert sm.prepare_copy(args, env, tmp_path, lambda limit: limit)["steps_s"]  # a second run: every step a no-op
+    # the plan serves the prepared copy's draft head (stock keeps the synth's files)
+    for name in ("scripted-patched-mtp4", "scripted-stock-mtp4"):
+        cfg = fb.SCRIPTED_CONFIGS[name]
+        cmd = _command(cfg, ckpt=sm.served_checkpoint(args, cfg.patched))
+        ns, _ = vllm_cli.serve(cmd.argv)
+        assert ns.model_tag == str(args.prepared_ckpt if cfg.patched else tiny)
+        assert cmd.env.get("VLLM_MTP_DRAFT_VOCAB") == ("1" if cfg.patched else None), name
+    # a checkpoint that does not match the dials asked is refused before anything boots
+    with pytest.raises(sm.CheckpointError, match="--draft-coverage"):
+        sm.make_checkpoint(_run_args(tiny, tmp_path, coverage=0.9), env, tmp_path, lambda limit: limit)
+    with pytest.raises(sm.CheckpointError, match="--mtp-agree"):
+        sm.make_checkpoint(_run_args(tiny, tmp_path, agree=0.5), env, tmp_path, lambda limit: limit)
+    # the prediction from the prepared files: every MTP proposal inside the draft list, the chain unchanged
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pred = sm.predict(args.prepared_ckpt, "cpu")
+    finally:
+        torch.set_num_threads(threads)
+    design = scripted.Design.read(tiny)
+    assert {int(t): v for t, v in pred["greedy_successor"].items()} == dict(zip(design.active, design.chain,
+                                                                                strict=True))
+    assert set(pred["mtp_proposal"].values()) <= set(ids) | {-1}
+    assert pred["reference_check"]["argmax_is_chain"] == pred["reference_check"]["positions"]
 
 
 # ---------------------------------------------------------------- end to end against fake servers
@@ -353,6 +408,8 @@ def fakes(tiny, prediction, tmp_path):
                "scripted-stock-mtp4": FakeVllm(design, walk, prediction["acceptance_per_position"][
                    "default_greedy_drafts"], logit_noise=0.01, table=table,
                    trace_dir=traces / "traces-scripted-stock-mtp4"),
+               "scripted-patched-plain": FakeVllm(design, None, None, table=table,
+                                                  trace_dir=traces / "traces-scripted-patched-plain"),
                "scripted-patched-mtp4": FakeVllm(design, walk, wrong, table=table, broken_sampler=True,
                                                  trace_dir=traces / "traces-scripted-patched-mtp4")}
     for server in servers.values():
@@ -364,15 +421,13 @@ def fakes(tiny, prediction, tmp_path):
 
 
 def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, fakes, tmp_path, monkeypatch):
-    import argparse
-
     import run_full
 
     design = scripted.Design.read(tiny)
-    args = argparse.Namespace(patched_site=None, python=sys.executable, ckpt=tiny, agree=0.76,
-                              budget_s=sm.DEFAULT_BUDGET_S)
+    args = argparse.Namespace(patched_site=None, python=sys.executable, ckpt=tiny, prepared_ckpt=tiny, agree=0.76,
+                              coverage=COVERAGE, budget_s=sm.DEFAULT_BUDGET_S)
     rec = sm.start_record(tmp_path / sm.REPORT, args, {"PYTHONPATH": str(REPO)})
-    rec.data["prediction"] = prediction
+    rec.data["prediction"] = rec.data["prediction_prepared"] = prediction  # both stacks serve the same files here
     monkeypatch.setattr(sm, "CHISQ_TOKENS", 4 * sm.CHISQ_ANSWER)  # 4 answers; the GPU run sends 196
     prompts = sm.make_prompts(design)
     prompts = dataclasses.replace(prompts, sampled=prompts.sampled[:4], c1=prompts.c1[:2])
@@ -392,13 +447,13 @@ def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, 
     torch.set_num_threads(threads)
     assert sm.finish(rec, design, greedy) is False  # the wrong acceptance and the broken sampler
     data = json.loads((tmp_path / sm.REPORT).read_text())
-    for key in ("schema", "date", "gpu", "versions", "patches", "checkpoint", "k", "prediction", "measurements",
-                "checks", "passed", "phases_s", "skipped", "errors", "not_measured_here"):
+    for key in ("schema", "date", "gpu", "versions", "patches", "checkpoint", "k", "prediction",
+                "prediction_prepared", "measurements", "checks", "passed", "phases_s", "skipped", "errors"):
         assert key in data, key
     assert data["patches"]["series"] == [line for line in (REPO / "patches" / "series").read_text().splitlines()
                                          if line and not line.startswith("#")]
     meas = data["measurements"]
-    assert set(meas) == set(fakes) and "sampled" not in meas["scripted-stock"]
+    assert set(meas) == set(fakes) and "sampled" not in meas["scripted-stock"] | meas["scripted-patched-plain"]
     assert meas["scripted-stock"]["greedy"]["spec"]["speculative"] is False
     assert (tmp_path / "scripted-stock-greedy.json").exists()  # the traces, beside the report
     c1_stock = meas["scripted-stock"]["c1"]
@@ -413,8 +468,10 @@ def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, 
                       "(default_probabilistic_drafts)"]
     wrong = checks[failed[1]]
     assert wrong["difference"][2] == pytest.approx(0.05, abs=1e-3) and wrong["within"] == sm.ACCEPTANCE_WITHIN
-    # reference; chain x3; identity, logits, greedy walk x2; sampled x2; chi-square x2; prefix x2
-    assert len(checks) == 1 + 3 + 2 * 3 + 2 + 2 + 2
+    # reference x2 (each stack's files); chain x4; identity, logits, greedy walk x2 (each against its own stack's
+    # plain server); sampled x2; chi-square x2; prefix x2
+    assert len(checks) == 2 + 4 + 2 * 3 + 2 + 2 + 2
+    assert "scripted-patched-mtp4: greedy token-identical to no speculation" in checks
     chisq = checks["scripted-stock: chi-square of the sampled tokens' ranks against the reference"]
     assert chisq["tokens"] == sm.CHISQ_TOKENS and chisq["outside_support"] == 0 and chisq["ranks"] == 3, chisq
     assert (tmp_path / "scripted-stock-chisq-samples.json").exists()

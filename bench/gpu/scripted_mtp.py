@@ -2,7 +2,10 @@
 #17; one GPU run; bench/gpu/README.md). The first wave (bench.fullbench.SCRIPTED_CONFIGS: stock vLLM 0.28.0
 without speculation and with MTP k=4, the single-user plan without and with it) boots together while the
 reference checks the written weights at full size; then the servers are measured one after the other against
-what the weights predict, then the k sweep (SCRIPTED_SWEEP) boots, one wave per stack, as far as the budget goes:
+what the weights predict, then the k sweep (SCRIPTED_SWEEP) boots, one wave per stack, as far as the budget goes.
+Stock serves the checkpoint as synth writes it (bf16 MTP and lm_head); the patched servers serve a prepared copy
+(hard links, then prepare/'s steps: int8 lm_head, embedding and MTP, the draft head from the design's
+--draft-coverage id list), as a user's single-user plan would, each judged by the prediction from its own files:
 
 - reference: the float32 forward of the full checkpoint follows the designed chain along a prompt (the wobble and
   the smallest top-1/top-2 gap recorded), before any server's answer is judged by it;
@@ -18,7 +21,8 @@ what the weights predict, then the k sweep (SCRIPTED_SWEEP) boots, one wave per 
 - C1: decode tok/s, tokens per step and ms per step, from streamed answers and the server's own counters; and a
   profiled C1 window (torch profiler trace, gzipped under OUT/profiles/) for the step breakdown of issue #17.
 
-    python bench/gpu/scripted_mtp.py OUT --site SITE --patched-site PATCHED --ckpt DIR [--agree Q]
+    python bench/gpu/scripted_mtp.py OUT --site SITE --patched-site PATCHED [--ckpt DIR] [--prepared-ckpt DIR]
+    python bench/gpu/scripted_mtp.py OUT --only checkpoint|prepare   # the checkpoint (and its prepared copy) alone
     python bench/gpu/scripted_mtp.py --predict FILE --ckpt DIR [--device cuda]   # the prediction alone (torch)
 
 OUT/scripted-h200-mtp.json is rewritten after every phase; each phase has its own time limit and the whole run
@@ -59,6 +63,12 @@ SCHEMA = "qwen-serving scripted-mtp/1"
 # measured 74 / 50 / 34 / 24 % and 2.8-2.9 (computed from the design's logit table on the CPU; the run records the
 # prediction from the written weights). a_i falls like (q p_chain)^i with p_chain = 0.924 at that sampling.
 DEFAULT_AGREE = 0.76
+# --draft-coverage: the share of the active vocabulary the draft head keeps (the spec's calibrated list covers
+# 97.5% of the real model's outputs); every chain successor outside it is a forced rejection of a greedy draft
+DEFAULT_COVERAGE = 0.975
+# prepare/'s steps on the patched servers' copy, in prepare/README.md's order (the draft head last: its rows come
+# from the int8 lm_head)
+PREPARE_STEPS = ("quant_lm_head", "quant_embed", "quant_mtp")
 K = 4
 K_SWEEP = range(1, 8)
 ACCEPTANCE_WITHIN = 0.03  # the issue's bar: per position, measured vs predicted
@@ -69,7 +79,9 @@ SAMPLED_REQUESTS, SAMPLED_CONCURRENCY = 16, 8  # ~2,700 verify steps at k=4: per
 C1_REQUESTS = 3
 SEEDS = {"greedy": 0, "sampled": 1000, "c1": 2000, "chisq": 3000, "prefix": 4000}  # no prompt sent twice
 TPOT = "vllm:request_time_per_output_token_seconds"
-BASELINE = "scripted-stock"  # the greedy answers every speculating server is compared with
+# the greedy answers each speculating server is compared with: its own stack's, on the same files, without speculation
+BASELINES = {"stock": "scripted-stock", "patched": "scripted-patched-plain"}
+PREDICTIONS = {"stock": "prediction", "patched": "prediction_prepared"}  # the report's key for each stack's files
 CHISQ_TOKENS = 100_000  # the issue's floor, as 512-token answers (196 requests), the seats full
 CHISQ_ANSWER, CHISQ_CONCURRENCY = 512, 16
 CHISQ_PROMPT_LEN = 24
@@ -91,7 +103,7 @@ PREFILL_AB_LENS = "1024,3072"  # within SCRIPTED_MAX_LEN
 SWEEP_SERVER_S = 60  # a sweep server's greedy, sampled and C1 parts
 CHISQ_ROWS_S = 150  # the --chisq-rows child per server: ~1e5 tokens through the float32 reference (estimate)
 # time limits (s); budget: the whole run, from start to the last server stopped
-LIMITS = {"synth": 420, "predict": 600, "boot": 600, "greedy": 240, "sampled": 300, "c1": 240, "chisq": 240,
+LIMITS = {"synth": 420, "prepare": 420, "predict": 600, "boot": 600, "greedy": 240, "sampled": 300, "c1": 240, "chisq": 240,
           "chisq_rows": 300,
           "prefix": 120, "profile": 120, "quality": 120, "real_rep": 150, "prefill_ab": 180, "stop": 60}
 DEFAULT_BUDGET_S = 1380  # a 30-minute session less staging (~5 min), polling and packing
@@ -153,11 +165,16 @@ def predict(ckpt: Path, device: str) -> dict:
     # vLLM's probabilistic drafts: softmax(draft logits / T), no top-k / top-p (llm_base_proposer.py)
     positions = torch.arange(len(design.active), device=ref.w.device)
     hidden = torch.zeros(len(design.active), ref.t["hidden_size"], device=ref.w.device)
+    # over the draft head's rows when the checkpoint has one (the patch's -inf elsewhere): an active token outside
+    # its list is never proposed
     logits, vocab = ref.draft_logits(ref.mtp_step(design.active, hidden, positions))
-    columns = {int(t): i for i, t in enumerate(vocab.tolist())}
-    active = torch.tensor([columns[t] for t in design.active], device=logits.device)
-    draft_probs = torch.softmax(logits.float() / default.temperature, -1)[:, active]
+    probs = torch.softmax(logits.float() / default.temperature, -1)
     del logits
+    columns = {int(t): i for i, t in enumerate(vocab.tolist())}
+    draft_probs = torch.zeros(len(design.active), len(design.active), device=probs.device)
+    inside = [(j, columns[t]) for j, t in enumerate(design.active) if t in columns]
+    draft_probs[:, [j for j, _ in inside]] = probs[:, [c for _, c in inside]]
+    del probs
     transition, propose = inputs["default"]
     profiles: dict[str, dict[str, list[float]]] = {"greedy": {}, "default_greedy_drafts": {},
                                                    "default_probabilistic_drafts": {}}
@@ -552,8 +569,8 @@ def build_servers(args: argparse.Namespace, out: Path, configs: Sequence[fb.Benc
         paths = [str(args.patched_site), str(args.site)] if cfg.patched else [str(args.site)]
         probe = plan.Probe.detect(REPO)  # the plan's vLLM facts are vllm_028's, whichever vllm the server runs
         port = first_port + i
-        cmd = fb.server_command(cfg, python=args.python, ckpt=args.ckpt, port=port, traces=out / f"traces-{cfg.name}",
-                                probe=probe)
+        cmd = fb.server_command(cfg, python=args.python, ckpt=served_checkpoint(args, cfg.patched), port=port,
+                                traces=out / f"traces-{cfg.name}", probe=probe)
         servers.append(run_full.Server(cfg, cmd, port, os.pathsep.join(paths), out / f"{cfg.name}.server.log"))
     return servers
 
@@ -572,37 +589,41 @@ def waves(args: argparse.Namespace, out: Path) -> list[list[run_full.Server]]:
 def judge(rec: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], samples: Mapping[str, list[list[int]]],
           rows: Mapping[str, list[list[dict[int, float]]]], design, greedy_prompts: list[dict]) -> dict:
     """Every check that the measurements so far allow, with its numbers."""
-    meas, pred = rec["measurements"], rec.get("prediction") or {}
+    meas = rec["measurements"]
     checks: dict = {}
-    reference = traces.get(BASELINE)
     expected = [expected_chain(design, p["ids"]) for p in greedy_prompts]
-    walks: dict[int, dict] = {}
-    if pred.get("greedy_successor"):
-        successor = {int(t): v for t, v in pred["greedy_successor"].items()}
-        proposal = {int(t): v for t, v in pred["mtp_proposal"].items()}
-        firsts = [successor[p["ids"][-1]] for p in greedy_prompts]
-        walks = {k: greedy_walk_acceptance(firsts, successor, proposal, k, MAX_TOKENS)
-                 for k in {m.get("k", K) for m in meas.values()} if k}
-        rec["prediction_greedy_walk"] = {str(k): w for k, w in walks.items()}
-    check = pred.get("reference_check")
-    if check:
-        checks["reference: the float32 forward of the written weights follows the designed chain"] = {
-            "passed": check["argmax_is_chain"] == check["positions"],
-            **{key: v for key, v in check.items() if key != "top"}}
+    walks: dict[str, dict[int, dict]] = {}  # by stack
+    for which, key in PREDICTIONS.items():
+        pred = rec.get(key) or {}
+        if pred.get("greedy_successor"):
+            successor = {int(t): v for t, v in pred["greedy_successor"].items()}
+            proposal = {int(t): v for t, v in pred["mtp_proposal"].items()}
+            firsts = [successor[p["ids"][-1]] for p in greedy_prompts]
+            walks[which] = {k: greedy_walk_acceptance(firsts, successor, proposal, k, MAX_TOKENS)
+                            for k in {m.get("k", K) for name, m in meas.items() if stack(name) == which} if k}
+            rec[f"{key}_greedy_walk"] = {str(k): w for k, w in walks[which].items()}
+        check = pred.get("reference_check")
+        if check:
+            checks[f"reference ({which} files): the float32 forward of the written weights follows the designed "
+                   "chain"] = {"passed": check["argmax_is_chain"] == check["positions"],
+                               **{key: v for key, v in check.items() if key != "top"}}
     for name, m in meas.items():
         k = m.get("k", K)
         greedy = m.get("greedy")
+        pred, walk = rec.get(PREDICTIONS[stack(name)]) or {}, walks.get(stack(name), {})
+        baseline = BASELINES[stack(name)]
+        reference = traces.get(baseline)
         if greedy and name in traces:
             checks[f"{name}: greedy answers are the designed chain"] = chain_check(traces[name], expected)
-            if reference and name != BASELINE:
+            if reference and name != baseline:
                 comparison = smoke_lib.compare_greedy(reference, traces[name])
                 checks[f"{name}: greedy token-identical to no speculation"] = {
                     "passed": not comparison.unexplained, **comparison.summary()}
                 checks[f"{name}: top-20 raw logits agree with no speculation"] = logit_agreement(reference,
                                                                                                  traces[name])
-            if k in walks and greedy["spec"]["speculative"]:
+            if k in walk and greedy["spec"]["speculative"]:
                 checks[f"{name}: greedy acceptance per position = the exact greedy walk"] = compare_acceptance(
-                    greedy["spec"]["per_position_acceptance"], walks[k]["acceptance_per_position"])
+                    greedy["spec"]["per_position_acceptance"], walk[k]["acceptance_per_position"])
         sampled = m.get("sampled")
         default = (pred.get("by_k") or {}).get(f"default_{m.get('draft_sample')}_drafts", {}).get(str(k))
         if sampled and default:
@@ -629,11 +650,11 @@ def start_record(path: Path, args: argparse.Namespace, env: Mapping[str, str]) -
         "gpu": smoke_lib.gpu_description(), "gpu_state_at_start": run_full.gpu_state(),
         "versions": {"python": sys.version.split()[0], **smoke_lib.package_versions(smoke_lib.REPORTED_PACKAGES)},
         "patches": patch_state(args.patched_site, args.python, patched_env),
-        "checkpoint": {"dir": str(args.ckpt), "mtp_agree_asked": args.agree}, "k": K, "max_tokens": MAX_TOKENS,
+        "checkpoint": {"dir": str(args.ckpt), "prepared_dir": str(args.prepared_ckpt), "mtp_agree_asked": args.agree,
+                       "draft_coverage_asked": args.coverage}, "k": K, "max_tokens": MAX_TOKENS,
         "acceptance_within": ACCEPTANCE_WITHIN, "budget_s": args.budget_s, "limits_s": LIMITS, "phases_s": {},
-        "prediction": None, "servers": {}, "measurements": {}, "checks": {}, "passed": False, "skipped": [],
-        "errors": {},
-        "not_measured_here": "the draft vocabulary and the prepared (int8) checkpoint",
+        **dict.fromkeys(PREDICTIONS.values()), "servers": {}, "measurements": {}, "checks": {}, "passed": False,
+        "skipped": [], "errors": {},
     })
     rec.save()
     return rec
@@ -700,24 +721,66 @@ def wave_tools(servers: Mapping[str, run_full.Server], rec: Record, out: Path, e
         log(f"{part}: rc {tools[part]['rc']}")
 
 
-def take_prediction(rec: Record, predictor: subprocess.Popen, path: Path, wait_s: float = 0.0) -> None:
-    """The prediction into the report once the child has written it (waiting up to wait_s); an exit without it
-    is an error."""
-    if rec.data.get("prediction") is not None:
-        return
-    try:
-        predictor.wait(timeout=max(wait_s, 0.01))
-    except subprocess.TimeoutExpired:
-        return
-    if path.exists():
-        rec.data["prediction"] = json.loads(path.read_text())
-        rec.data["phases_s"]["prediction ready"] = round(time.monotonic() - rec.t0, 1)
-        log("prediction: " + json.dumps(rec.data["prediction"]["acceptance_per_position"]))
-        log("reference: " + json.dumps({k: v for k, v in rec.data["prediction"]["reference_check"].items()
-                                        if k != "top"}))
-    else:
-        rec.data["errors"]["prediction"] = f"exit {predictor.returncode} (see prediction.log)"
-    rec.save()
+def stack(name: str) -> str:
+    """A server's stack from its config name (fullbench's scripted-stock-* / scripted-patched-*)."""
+    return "patched" if "-patched-" in name else "stock"
+
+
+def served_checkpoint(args: argparse.Namespace, patched: bool) -> Path:
+    return args.prepared_ckpt if patched else args.ckpt
+
+
+class Predictor:
+    """The --predict child for one stack's files; the report gets its prediction under `key` once written."""
+
+    def __init__(self, key: str, ckpt: Path, out: Path):
+        self.key, self.ckpt, self.path = key, ckpt, out / f"{key}.json"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, args: argparse.Namespace, env: Mapping[str, str], out: Path) -> None:
+        self.path.unlink(missing_ok=True)
+        with open(out / f"{self.key}.log", "w") as log_file:
+            self.proc = subprocess.Popen([args.python, str(Path(__file__).resolve()), "--predict", str(self.path),
+                                          "--ckpt", str(self.ckpt), "--device", args.device],
+                                         cwd=REPO, env=dict(env), stdout=log_file, stderr=subprocess.STDOUT)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def take(self, rec: Record, wait_s: float = 0.0) -> bool:
+        """The prediction into the report once the child has written it (waiting up to wait_s); True when this
+        child is done (an exit without a prediction is an error)."""
+        if rec.data.get(self.key) is not None:
+            return True
+        if self.proc is None:
+            return False
+        try:
+            self.proc.wait(timeout=max(wait_s, 0.01))
+        except subprocess.TimeoutExpired:
+            return False
+        if self.path.exists():
+            rec.data[self.key] = json.loads(self.path.read_text())
+            rec.data["phases_s"][f"{self.key} ready"] = round(time.monotonic() - rec.t0, 1)
+            log(f"{self.key}: " + json.dumps(rec.data[self.key]["acceptance_per_position"]))
+            log(f"{self.key} reference: " + json.dumps({k: v for k, v in rec.data[self.key]["reference_check"].items()
+                                                        if k != "top"}))
+        else:
+            rec.data["errors"][self.key] = f"exit {self.proc.returncode} (see {self.key}.log)"
+        rec.save()
+        return True
+
+
+def take_predictions(rec: Record, predictors: Sequence[Predictor], args: argparse.Namespace,
+                     env: Mapping[str, str], out: Path, wait_s: float = 0.0) -> None:
+    """One child at a time (each holds the reference on the GPU beside the servers): the next starts when the
+    one before it is done; waits up to wait_s for each."""
+    for i, predictor in enumerate(predictors):
+        if predictor.proc is None:
+            if i and not predictors[i - 1].take(rec):
+                return
+            predictor.start(args, env, out)
+        if not predictor.take(rec, wait_s):
+            return
 
 
 def chisq_reference(rec: Record, out: Path, env: Mapping[str, str], args: argparse.Namespace,
@@ -728,13 +791,82 @@ def chisq_reference(rec: Record, out: Path, env: Mapping[str, str], args: argpar
         t0 = time.monotonic()
         try:
             subprocess.run([args.python, str(Path(__file__).resolve()), "--chisq-rows",
-                            str(out / f"{name}-chisq-samples.json"), str(rows_path), "--ckpt", str(args.ckpt),
+                            str(out / f"{name}-chisq-samples.json"), str(rows_path),
+                            "--ckpt", str(served_checkpoint(args, stack(name) == "patched")),
                             "--device", args.device], cwd=REPO, env=dict(env), check=True,
                            timeout=left(LIMITS["chisq_rows"]) or 1, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             rec.rows[name] = [[{int(t): p for t, p in row} for row in seq] for seq in json.loads(rows_path.read_text())]
         except (subprocess.SubprocessError, OSError, ValueError) as err:
             rec.data["errors"][f"{name}: chisq rows"] = f"{type(err).__name__}: {str(err)[-1500:]}"
         rec.phase(f"{name}: chisq rows", time.monotonic() - t0)
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint or its prepared copy could not be made; the message says where to look."""
+
+
+def make_checkpoint(args: argparse.Namespace, env: Mapping[str, str], out: Path,
+                    left: Callable[[float], float]) -> dict:
+    """The scripted full checkpoint in args.ckpt (synth, unless one is there), checked against the dials asked."""
+    from qwen_serving.checkpoint import scripted
+
+    made = {}
+    if not (args.ckpt / "config.json").exists():
+        log(f"generating the scripted full checkpoint in {args.ckpt} (--mtp-agree {args.agree}, "
+            f"--draft-coverage {args.coverage})")
+        try:
+            with open(out / "synth.log", "w") as synth_log:
+                subprocess.run([args.python, "-m", "qwen_serving.checkpoint.synth", "--size", "full", "--behaviour",
+                                "scripted", "--mtp-agree", str(args.agree), "--draft-coverage", str(args.coverage),
+                                "--seed", "0", "--out", str(args.ckpt)],
+                               cwd=REPO, env=dict(env), check=True, timeout=left(LIMITS["synth"]) or 1,
+                               stdout=synth_log, stderr=subprocess.STDOUT)
+        except subprocess.SubprocessError as err:
+            raise CheckpointError(f"synth failed: {err} (see synth.log)") from err
+        made["generated"] = True
+    design = scripted.Design.read(args.ckpt)
+    if abs(design.mtp_agree - args.agree) > 1e-9:
+        raise CheckpointError(f"{args.ckpt} has --mtp-agree {design.mtp_agree}, not {args.agree}")
+    if not (args.ckpt / scripted.DRAFT_IDS_FILE).is_file():
+        raise CheckpointError(f"{args.ckpt} has no {scripted.DRAFT_IDS_FILE} (made without --draft-coverage): "
+                              "remove it, and the run generates one with the draft id list")
+    ids = json.loads((args.ckpt / scripted.DRAFT_IDS_FILE).read_text())["ids"]
+    made["draft_coverage"] = round(scripted.draft_coverage(design, ids), 4)
+    if abs(made["draft_coverage"] - args.coverage) > 2 / len(design.active):
+        raise CheckpointError(f"{args.ckpt} has --draft-coverage {made['draft_coverage']}, not {args.coverage}")
+    return made
+
+
+def prepare_copy(args: argparse.Namespace, env: Mapping[str, str], out: Path,
+                 left: Callable[[float], float]) -> dict:
+    """args.prepared_ckpt: a hard-linked copy of args.ckpt (prepare/'s steps never write into a file they did not
+    create, so the links stay the originals' bytes), then prepare/'s int8 steps and the draft head, each a no-op
+    when prepared.json records it; prepare_status's lines at the end. Returns each step's seconds."""
+    from qwen_serving.checkpoint import scripted
+
+    done: dict = {"steps_s": {}}
+    if not (args.prepared_ckpt / "config.json").exists():
+        staging = args.prepared_ckpt.with_name(f".{args.prepared_ckpt.name}.linking")
+        subprocess.run(["rm", "-rf", str(staging)], check=True)
+        subprocess.run(["cp", "-al", str(args.ckpt), str(staging)], check=True)
+        staging.rename(args.prepared_ckpt)
+    ids = args.prepared_ckpt / scripted.DRAFT_IDS_FILE
+    commands = [(step, ["prepare/" + f"{step}.py", str(args.prepared_ckpt)]) for step in PREPARE_STEPS]
+    commands.append(("build_draft_vocab", ["prepare/build_draft_vocab.py", str(args.prepared_ckpt), "--ids", str(ids)]))
+    with open(out / "prepare.log", "a") as prepare_log:
+        for step, argv in commands:
+            t0 = time.monotonic()
+            log(f"prepared copy: {step}")
+            try:
+                subprocess.run([args.python, *argv], cwd=REPO, env=dict(env), check=True,
+                               timeout=left(LIMITS["prepare"]) or 1, stdout=prepare_log, stderr=subprocess.STDOUT)
+            except subprocess.SubprocessError as err:
+                raise CheckpointError(f"prepare step {step} failed: {err} (see prepare.log)") from err
+            done["steps_s"][step] = round(time.monotonic() - t0, 1)
+        status = subprocess.run([args.python, "-m", "qwen_serving.checkpoint.prepare_status", str(args.prepared_ckpt)],
+                                cwd=REPO, env=dict(env), capture_output=True, text=True, timeout=120)
+    done["prepare_status"] = (status.stdout + status.stderr).strip().splitlines()
+    return done
 
 
 def run(args: argparse.Namespace) -> int:
@@ -749,42 +881,37 @@ def run(args: argparse.Namespace) -> int:
     env = {**os.environ, **smoke_lib.DEVICE_ENV, "PYTHONPATH": os.pathsep.join([str(args.site), str(REPO)])}
     rec = start_record(out / REPORT, args, env)
 
-    # 1. the checkpoint
+    # 1. the checkpoint, and the patched servers' prepared copy (both skipped when already there)
     t0 = time.monotonic()
-    if not (args.ckpt / "config.json").exists():
-        log(f"generating the scripted full checkpoint in {args.ckpt} (--mtp-agree {args.agree})")
-        try:
-            with open(out / "synth.log", "w") as synth_log:
-                subprocess.run([args.python, "-m", "qwen_serving.checkpoint.synth", "--size", "full", "--behaviour",
-                                "scripted", "--mtp-agree", str(args.agree), "--seed", "0", "--out", str(args.ckpt)],
-                               cwd=REPO, env=env, check=True, timeout=left(LIMITS["synth"]) or 1,
-                               stdout=synth_log, stderr=subprocess.STDOUT)
-        except subprocess.SubprocessError as err:
-            rec.data["errors"]["checkpoint"] = f"synth failed: {err} (see synth.log)"
-            rec.phase("checkpoint", time.monotonic() - t0)
-            return 1
-        rec.data["checkpoint"]["generated"] = True
+    try:
+        rec.data["checkpoint"].update(make_checkpoint(args, env, out, left))
+        rec.phase("checkpoint", time.monotonic() - t0)
+        t0 = time.monotonic()
+        rec.data["checkpoint"]["prepared"] = prepare_copy(args, env, out, left)
+        rec.phase("prepared copy", time.monotonic() - t0)
+    except CheckpointError as err:
+        rec.data["errors"]["checkpoint"] = str(err)
+        rec.phase("checkpoint", time.monotonic() - t0)
+        return 1
     from qwen_serving.checkpoint.scripted import Design
 
     design = Design.read(args.ckpt)
     prompts = make_prompts(design)
     rec.data["checkpoint"].update(mtp_agree=design.mtp_agree, hidden=design.hidden, active=len(design.active))
-    if abs(design.mtp_agree - args.agree) > 1e-9:
-        rec.data["errors"]["checkpoint"] = f"{args.ckpt} has --mtp-agree {design.mtp_agree}, not {args.agree}"
     rec.data["prompts"] = {"greedy": [{k: p[k] for k in ("kind", "seed")} | {"tokens": len(p["ids"])}
                                       for p in prompts.greedy], "sampled": len(prompts.sampled),
                            "c1": len(prompts.c1), "max_tokens": MAX_TOKENS, "chisq": len(prompts.chisq),
                            "prefix_tokens": len(prompts.prefix)}
-    rec.phase("checkpoint", time.monotonic() - t0)
 
     # 2. the first wave boots, and the prediction (the reference at full size) runs beside it
     all_waves = waves(args, out)
-    predict_out = out / "prediction.json"
-    predict_out.unlink(missing_ok=True)
-    with open(out / "prediction.log", "w") as predict_log:
-        predictor = subprocess.Popen([args.python, str(Path(__file__).resolve()), "--predict", str(predict_out),
-                                      "--ckpt", str(args.ckpt), "--device", args.device],
-                                     cwd=REPO, env=env, stdout=predict_log, stderr=subprocess.STDOUT)
+    predictors = [Predictor(PREDICTIONS[which], served_checkpoint(args, which == "patched"), out)
+                  for which in ("stock", "patched")]
+    take_predictions(rec, predictors, args, env, out)  # the first starts now
+
+    def predictions(wait_s: float = 0.0) -> None:
+        take_predictions(rec, predictors, args, env, out, wait_s)
+
     sampling = default_sampling(args.ckpt)
     boot_s = LIMITS["boot"]
     try:
@@ -796,14 +923,14 @@ def run(args: argparse.Namespace) -> int:
                     continue
             t_boot = time.monotonic()
             boot(servers, rec, out, left(LIMITS["boot"]))
-            if index == 0:  # measuring starts now; the prediction joins the report when it is written
-                take_prediction(rec, predictor, predict_out, wait_s=min(PREDICT_GRACE_S, left(LIMITS["predict"])))
+            if index == 0:  # measuring starts now; the predictions join the report when they are written
+                predictions(wait_s=min(PREDICT_GRACE_S, left(LIMITS["predict"])))
             boot_s = time.monotonic() - t_boot
             rec.phase(f"boot wave {index}", boot_s)
             for s in servers:
                 if s.state == "up":
                     measure_one(s, rec, prompts, sampling, left, out, sweep=index > 0)
-                take_prediction(rec, predictor, predict_out)
+                predictions()
                 finish(rec, design, prompts.greedy)
             # the tools only where the chi-square rows and the patched sweep still fit after them
             sweep_need = boot_s + len(all_waves[1]) * SWEEP_SERVER_S if len(all_waves) > 1 else 0
@@ -816,14 +943,15 @@ def run(args: argparse.Namespace) -> int:
             for s in servers:
                 s.stop()
                 rec.data["servers"][s.cfg.name]["log_tail"] = s.log_tail(40)
-            if index == 0:  # the GPU is free: the prediction's end, the reference before every chi-square token
-                take_prediction(rec, predictor, predict_out, wait_s=left(LIMITS["predict"]))
+            if index == 0:  # the GPU is free: the predictions' end, the reference before every chi-square token
+                predictions(wait_s=left(LIMITS["predict"]))
                 chisq_reference(rec, out, env, args, left)
                 finish(rec, design, prompts.greedy)
     finally:
-        if predictor.poll() is None:
-            predictor.kill()
-            rec.data["errors"]["prediction"] = "killed unfinished at the end of the run (see prediction.log)"
+        for predictor in predictors:
+            if predictor.running():
+                predictor.proc.kill()
+                rec.data["errors"][predictor.key] = f"killed unfinished at the end of the run (see {predictor.key}.log)"
         for servers in all_waves:
             for s in servers:
                 s.stop()
@@ -844,7 +972,7 @@ def sweep_table(meas: Mapping[str, dict]) -> list[dict]:
         c1 = m.get("c1") or {}
         if not c1.get("server_tpot_ms"):
             continue
-        rows.append({"server": name, "stack": "patched" if "patched" in name else "stock", "k": m.get("k", 0),
+        rows.append({"server": name, "stack": stack(name), "k": m.get("k", 0),
                      "tokens_per_step": c1["spec"]["tokens_per_step"], "ms_per_step": c1.get("ms_per_step"),
                      "decode_tok_s": c1.get("server_decode_tok_s"), "client_decode_tok_s": c1.get("client_decode_tok_s")})
     return sorted(rows, key=lambda r: (r["stack"], r["k"]))
@@ -925,8 +1053,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("out", type=Path, nargs="?", help="where scripted-h200-mtp.json and the logs go")
     p.add_argument("--site", type=Path, default=Path("/tmp/site"), help="the staged stock stack (default %(default)s)")
     p.add_argument("--patched-site", type=Path, help="a folder holding the patched vllm package")
-    p.add_argument("--ckpt", type=Path, default=Path("/tmp/qwen-scripted-full"), help="generated here if missing")
+    p.add_argument("--ckpt", type=Path, default=Path("/tmp/qwen-scripted-full"),
+                   help="stock's checkpoint, generated here if missing (default %(default)s)")
+    p.add_argument("--prepared-ckpt", type=Path, default=Path("/tmp/qwen-scripted-full-prepared"),
+                   help="the patched servers' prepared copy, made here if missing (default %(default)s)")
     p.add_argument("--agree", type=float, default=DEFAULT_AGREE, help="--mtp-agree of the checkpoint (%(default)s)")
+    p.add_argument("--coverage", type=float, default=DEFAULT_COVERAGE,
+                   help="--draft-coverage of the checkpoint (%(default)s)")
+    p.add_argument("--only", choices=("checkpoint", "prepare"),
+                   help="make the checkpoint (and with `prepare` its prepared copy), then stop")
     p.add_argument("--base-port", type=int, default=18060, help="server i listens on base + i")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--device", default="cuda", help="where the prediction runs (default %(default)s)")
@@ -936,13 +1071,36 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="only write the reference before every token of a chi-square run's SAMPLES to FILE")
     p.add_argument("--dry-run", action="store_true", help="print every server command, start nothing")
     args = p.parse_args(argv)
-    child = args.predict is not None or args.chisq_rows is not None
+    child = args.predict is not None or args.chisq_rows is not None or args.only is not None
+    if args.only and args.out is None:
+        p.error("--only needs OUT (its logs go there)")
     if not child and args.out is None:
         p.error("OUT is required (or --predict FILE, or --chisq-rows SAMPLES FILE)")
     if not child and not args.dry_run:
         if not args.patched_site or not (args.patched_site / "vllm" / "__init__.py").is_file():
             p.error("--patched-site must name a folder holding the patched vllm package")
     return args
+
+
+def make_only(args: argparse.Namespace) -> int:
+    """--only: the checkpoint (and the prepared copy), as the run itself would make them; a one-line verdict."""
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(args.site), str(REPO)])}
+    deadline = time.monotonic() + args.budget_s
+
+    def left(limit: float) -> float:
+        return max(0.0, min(limit, deadline - time.monotonic()))
+
+    try:
+        made = make_checkpoint(args, env, out, left)
+        if args.only == "prepare":
+            made["prepared"] = prepare_copy(args, env, out, left)
+    except CheckpointError as err:
+        log(f"--only {args.only}: {err}")
+        return 1
+    log(f"--only {args.only}: " + json.dumps(made))
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -955,6 +1113,8 @@ def main(argv: list[str]) -> int:
         rows = chisq_rows(args.ckpt, samples, args.device)
         serving.write_json_atomic(target, [[[[t, p] for t, p in row.items()] for row in seq] for seq in rows])
         return 0
+    if args.only:
+        return make_only(args)
     if args.dry_run:
         for wave in waves(args, args.out.resolve()):
             for s in wave:

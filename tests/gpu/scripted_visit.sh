@@ -6,7 +6,9 @@
 # 2. the GPU tests in $QS_GPU_TESTS (default none: the first wave and the reference fill the GPU) in the
 #    background, log /tmp/visit-tests.log;
 # 2b. (QS_SCRIPTED_LAYERS=1, the default) the scripted full checkpoint, then bench/gpu/scripted_layers.py: vLLM's
-#    modules, per-layer residual stream and logits against the reference (~5 min), before anything is measured;
+#    modules, per-layer residual stream and logits against the reference (~2.5 min), before anything is measured,
+#    while the patched servers' prepared copy is made beside it (scripted_mtp.py --only prepare); with
+#    QS_SCRIPTED_LAYERS_COMPILED=1 also its compiled answer (~3 min);
 # 2c. (QS_GO_WAIT_S > 0) a wait for /tmp/qs-go, sourced: the budget of step 3 or QS_STOP=1;
 # 3. bench/gpu/scripted_mtp.py (the first wave and the sweep) within $QS_SCRIPTED_BUDGET_S seconds (default: the
 #    script's);
@@ -29,14 +31,20 @@ CKPT=/tmp/qwen-scripted-full
 if [ "${QS_SCRIPTED_LAYERS:-1}" = 1 ]; then
   log "2b. the scripted checkpoint, then vLLM's GPU forward against the reference (log /tmp/scripted-layers.log)"
   mkdir -p /tmp/scripted-out
-  [ -f "$CKPT/scripted.json" ] || python3 -m qwen_serving.checkpoint.synth --size full --behaviour scripted \
-    --mtp-agree 0.76 --seed 0 --out "$CKPT" > /tmp/scripted-out/synth.log 2>&1
+  python3 bench/gpu/scripted_mtp.py /tmp/scripted-out --site "$SITE" --ckpt "$CKPT" --only checkpoint \
+    > /tmp/scripted-checkpoint.log 2>&1
+  # the patched servers' prepared copy (CPU work) while the layers check holds the GPU
+  python3 bench/gpu/scripted_mtp.py /tmp/scripted-out --site "$SITE" --ckpt "$CKPT" --only prepare \
+    > /tmp/scripted-prepare.log 2>&1 &
+  prepare_pid=$!
   timeout 300 python3 bench/gpu/scripted_layers.py "$CKPT" --out /tmp/scripted-out/scripted-layers.json \
     --budget-s 240 > /tmp/scripted-layers.log 2>&1
   log "scripted_layers exit $?: $(tail -n 3 /tmp/scripted-layers.log | tr '\n' ' ')"
-  timeout 240 python3 bench/gpu/scripted_layers.py "$CKPT" --compiled --out /tmp/scripted-out/scripted-layers-compiled.json \
-    --budget-s 200 > /tmp/scripted-layers-compiled.log 2>&1
-  log "scripted_layers --compiled exit $?: $(tail -n 1 /tmp/scripted-layers-compiled.log)"
+  if [ "${QS_SCRIPTED_LAYERS_COMPILED:-0}" = 1 ]; then  # the answer under torch.compile and CUDA graphs (~3 min)
+    timeout 240 python3 bench/gpu/scripted_layers.py "$CKPT" --compiled \
+      --out /tmp/scripted-out/scripted-layers-compiled.json --budget-s 200 > /tmp/scripted-layers-compiled.log 2>&1
+    log "scripted_layers --compiled exit $?: $(tail -n 1 /tmp/scripted-layers-compiled.log)"
+  fi
 fi
 
 # 2c. Time to read the layers report before anything is measured: wait up to QS_GO_WAIT_S (default 0) for
@@ -47,6 +55,7 @@ while [ ! -f /tmp/qs-go ] && [ "$waited" -lt "${QS_GO_WAIT_S:-0}" ]; do sleep 2;
 [ -f /tmp/qs-go ] && source /tmp/qs-go && log "go file: $(tr '\n' ' ' < /tmp/qs-go)"
 if [ "${QS_STOP:-0}" = 1 ]; then echo "VISIT DONE"; exit 0; fi
 
+[ -n "${prepare_pid:-}" ] && { wait "$prepare_pid"; log "prepared copy: $(tail -n 1 /tmp/scripted-prepare.log)"; }
 log "3. scripted run (log /tmp/scripted.log)"
 budget=()
 [ -n "${QS_SCRIPTED_BUDGET_S:-}" ] && budget=(--budget-s "$QS_SCRIPTED_BUDGET_S")

@@ -8,7 +8,7 @@ OUT="${1:?usage: pack_scripted_visit.sh OUT}"
 cd /tmp || exit 1
 cp scripted-out/scripted-h200-mtp.json "$OUT/" 2>/dev/null
 parts=()
-for p in scripted-out scripted.log scripted-layers.log scripted-layers-compiled.log scripted-checkpoint.log scripted-prepare.log; do [ -e "$p" ] && parts+=("$p"); done
+for p in scripted-out scripted.log scripted-layers.log scripted-layers-compiled.log scripted-checkpoint.log scripted-prepare.log vllm-tests.log; do [ -e "$p" ] && parts+=("$p"); done
 [ ${#parts[@]} -gt 0 ] && tar -czf "$OUT/scripted.tgz" --exclude='traces-*' --exclude='profiles' \
   --exclude='*.server.log' "${parts[@]}" 2>/dev/null
 mkdir -p /tmp/pack-logs

@@ -5,6 +5,9 @@
 # 1. the patch series on a copy of vllm in $PATCHED_SITE ($SITE stays stock);
 # 2. the GPU tests in $QS_GPU_TESTS (default none: the first wave and the reference fill the GPU) in the
 #    background, log /tmp/visit-tests.log;
+# 2a. (.whl/vllm-tests staged by tests/gpu/stage-vllm-tests.sh, QS_VLLM_TESTS=1 the default) vLLM's own
+#    sampler and rejection-sampler tests on the stock and the patched tree, in the background
+#    (tests/gpu/vllm_sampler_tests.sh; OUT/vllm-tests/vllm-sampler-tests.json);
 # 2b. (QS_SCRIPTED_LAYERS=1, the default) the scripted full checkpoint, then bench/gpu/scripted_layers.py: vLLM's
 #    modules, per-layer residual stream and logits against the reference (~2.5 min), before anything is measured,
 #    while the patched servers' prepared copy is made beside it (scripted_mtp.py --only prepare); with
@@ -25,6 +28,12 @@ if [ "$TESTS" != none ]; then
   log "2. GPU tests: $TESTS (log /tmp/visit-tests.log)"
   QS_GPU_TESTS="$TESTS" QS_GPU_RESULTS=/tmp/visit-tests QS_GPU_WORK=/tmp/visit-tests-work QS_GPU_PYTEST_LIMIT_S=900 \
     bash tests/gpu/run_on_device.sh > /tmp/visit-tests.log 2>&1 &
+fi
+
+if [ -d .whl/vllm-tests ] && [ "${QS_VLLM_TESTS:-1}" = 1 ]; then
+  log "2a. vLLM's own sampler tests, stock and patched, in the background (log /tmp/vllm-tests.log)"
+  SITE="$SITE" PATCHED_SITE="$PATCHED_SITE" bash tests/gpu/vllm_sampler_tests.sh /tmp/scripted-out/vllm-tests \
+    > /tmp/vllm-tests.log 2>&1 &
 fi
 
 CKPT=/tmp/qwen-scripted-full

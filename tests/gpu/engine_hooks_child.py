@@ -63,8 +63,10 @@ class ShadowCheck:
         return json.loads(json.dumps(self.stats))
 
 
-def install_shadow(shadow: ShadowCheck, routed: dict) -> None:
-    """Wrap the routing decisions (counted), our two kernels and flash_attn_varlen_func (checked)."""
+def install_shadow(shadow: ShadowCheck | None, routed: dict) -> None:
+    """Wrap the routing decisions (counted), our two kernels and flash_attn_varlen_func (checked; not with
+    shadow None: under CUDA graphs the wrappers run only while a graph is captured, where the check's host
+    reads are not allowed)."""
     import torch
     from vllm.v1.attention.backends import flash_attn as fa
 
@@ -79,6 +81,8 @@ def install_shadow(shadow: ShadowCheck, routed: dict) -> None:
             return taken
 
         setattr(attn_routing, f"takes_{kind}_path", counting)
+    if shadow is None:
+        return
 
     def host(md) -> dict:
         return {"num_actual_tokens": md.num_actual_tokens, "max_query_len": md.max_query_len,
@@ -121,13 +125,14 @@ def install_shadow(shadow: ShadowCheck, routed: dict) -> None:
 def main() -> int:
     model, out, hooks = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     spec = sys.argv[4] if len(sys.argv) > 4 else "mtp"
-    if hooks not in ("0", "1") or spec not in ("mtp", "none"):
-        raise SystemExit(f"usage: {sys.argv[0]} MODEL_DIR OUT_JSON HOOKS(0|1) [SPEC(mtp|none)]")
+    graphs = (sys.argv[5] if len(sys.argv) > 5 else "eager") == "graphs"  # torch.compile + CUDA graphs, as served
+    if hooks not in ("0", "1") or spec not in ("mtp", "none") or sys.argv[5:6] not in ([], ["eager"], ["graphs"]):
+        raise SystemExit(f"usage: {sys.argv[0]} MODEL_DIR OUT_JSON HOOKS(0|1) [SPEC(mtp|none)] [eager|graphs]")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_SPEC_DECODE_ATTN"] = os.environ["VLLM_PREFILL_INT8_ATTN"] = hooks
 
     routed = {"verify": 0, "prefill": 0}
-    shadow = ShadowCheck()
+    shadow = None if graphs else ShadowCheck()
     install_shadow(shadow, routed)
 
     from vllm import LLM, SamplingParams
@@ -139,7 +144,7 @@ def main() -> int:
         language_model_only=True,
         gdn_prefill_backend="triton",
         attention_backend="FLASH_ATTN",
-        enforce_eager=True,
+        enforce_eager=not graphs,
         max_model_len=2048,
         max_num_seqs=BATCH,
         max_num_batched_tokens=512,  # the long prompt prefills in chunks
@@ -156,11 +161,13 @@ def main() -> int:
         return TokensPrompt(prompt_token_ids=[rng.randrange(10, 4000) for _ in range(length)])
 
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
-    record = {"hooks": hooks, "spec": spec, "start_s": round(start_s, 1), "routed": {}, "shadow": {}, "traces": {}}
+    record = {"hooks": hooks, "spec": spec, "graphs": graphs, "start_s": round(start_s, 1),
+              "routed_at_start": dict(routed), "routed": {}, "shadow": {}, "traces": {}}
     runs = {"single": [prompt(1500)], "batch": [prompt(rng.randrange(20, 300)) for _ in range(BATCH)]}
     for name, prompts in runs.items():
         before = dict(routed)  # start-up runs dummy batches: count and check each run's own steps
-        shadow.stats.clear()
+        if shadow:
+            shadow.stats.clear()
         traces = []
         for result in llm.generate(prompts, params):
             completion = result.outputs[0]
@@ -170,7 +177,7 @@ def main() -> int:
                            "top": tops})
         record["traces"][name] = traces
         record["routed"][name] = {k: routed[k] - before[k] for k in routed}
-        record["shadow"][name] = shadow.snapshot()
+        record["shadow"][name] = shadow.snapshot() if shadow else None
         record["prompt_lens"] = {**record.get("prompt_lens", {}), name: [len(p["prompt_token_ids"]) for p in prompts]}
     serving.write_json_atomic(out, record)
     return 0

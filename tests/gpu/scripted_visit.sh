@@ -13,13 +13,15 @@
 #    while the patched servers' prepared copy is made beside it (scripted_mtp.py --only prepare); with
 #    QS_SCRIPTED_LAYERS_COMPILED=1 also its compiled answer (~3 min);
 # 2c. (QS_GO_WAIT_S > 0) a wait for /tmp/qs-go, sourced: the budget of step 3 or QS_STOP=1;
-# 3. bench/gpu/scripted_mtp.py (the first wave and the sweep) within $QS_SCRIPTED_BUDGET_S seconds (default: the
-#    script's);
+# 3. bench/gpu/scripted_mtp.py (the first wave and the sweep) within $QS_SCRIPTED_BUDGET_S seconds (default: what
+#    is left of $QS_DEVICE_LEFT_S, 1,380 s = 30 device minutes less ~5 for staging and ~2 for packing, when this
+#    script started);
 # 4. the line `VISIT DONE`. tests/gpu/pack_scripted_visit.sh OUT packs whatever is there so far.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 1
 TESTS="${QS_GPU_TESTS:-none}"
+VISIT_T0=$(date +%s)
 
 # shellcheck source=tests/gpu/visit_prepare.sh
 source tests/gpu/visit_prepare.sh  # log(), step 1 and the environment
@@ -66,8 +68,9 @@ if [ "${QS_STOP:-0}" = 1 ]; then echo "VISIT DONE"; exit 0; fi
 
 [ -n "${prepare_pid:-}" ] && { wait "$prepare_pid"; log "prepared copy: $(tail -n 1 /tmp/scripted-prepare.log)"; }
 log "3. scripted run (log /tmp/scripted.log)"
-budget=()
-[ -n "${QS_SCRIPTED_BUDGET_S:-}" ] && budget=(--budget-s "$QS_SCRIPTED_BUDGET_S")
+budget_s="${QS_SCRIPTED_BUDGET_S:-$(( ${QS_DEVICE_LEFT_S:-1380} - ($(date +%s) - VISIT_T0) ))}"
+budget=(--budget-s "$budget_s")
+log "scripted run budget: $budget_s s"
 python3 bench/gpu/scripted_mtp.py /tmp/scripted-out --site "$SITE" --patched-site "$PATCHED_SITE" "${budget[@]}" \
   > /tmp/scripted.log 2>&1
 log "scripted exit $?"

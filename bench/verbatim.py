@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # also run as a file: python bench/verbatim.py
     sys.path.insert(0, str(REPO))
 
-from bench import serving  # noqa: E402
+from bench import harness, serving  # noqa: E402
 
 MIN_RUN = {"tokens": 8, "chars": 24}
 COVERED_MIN = 0.5  # corrupted (most came back) vs unrelated
@@ -141,7 +141,7 @@ def judge(document: Seq, answer: Seq, min_run: int | None = None) -> Judgement:
         verdict = "verbatim"
     elif document and longest == len(document):
         verdict = "embedded"
-    elif len(runs) == 1 and runs[0][1] == 0 and sum(runs[0][::2]) == len(answer) or prefix == len(answer):
+    elif prefix == len(answer) or (len(runs) == 1 and runs[0][1] == 0 and sum(runs[0][::2]) == len(answer)):
         verdict = "truncated"
     elif coverage >= COVERED_MIN:
         verdict = "corrupted"
@@ -280,14 +280,14 @@ class ServerTokenizer:
         out = self.client.post_json("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})
         return int(out["count"])
 
-    def padded(self, template: str) -> tuple[list[int], int, list[int]]:
-        """(head, filler id, tail) such that head + [filler] * n + tail is the chat prompt of `template` with n
-        filler units at its `{pad}` (n >= 1): a prompt of any length from one layout, sent as ids."""
+    def padded(self, before: str, after: str) -> Layout:
+        """The chat prompt of `before` + n filler units + `after` as a Layout (n >= 1): a prompt of any length
+        from one message, sent as ids. The filler is found by tokenizing one and two units."""
         for unit in self.FILLERS:
-            one, two = self.chat(template.format(pad=unit)), self.chat(template.format(pad=unit * 2))
+            one, two = self.chat(before + unit + after), self.chat(before + unit * 2 + after)
             at = next((i for i, (a, b) in enumerate(zip(one, two, strict=False)) if a != b), len(one))
-            if len(two) == len(one) + 1 and two[:at] + two[at + 1:] == one and two[at] == two[at - 1]:
-                return one[:at - 1], two[at], one[at:]
+            if at and len(two) == len(one) + 1 and two[:at] + two[at + 1:] == one and two[at] == two[at - 1]:
+                return Layout(one[:at - 1], two[at], one[at:])
         raise ValueError(f"the server's tokenizer merges every filler unit {self.FILLERS}: no exact prompt lengths")
 
 
@@ -355,6 +355,13 @@ def check_source_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
 def default_text() -> str:
     """The bundled held-out texts, one after another (bench/texts/README.md)."""
     return "\n\n".join(TEXTS.joinpath(name).read_text().strip() for name in ("en.txt", "da.txt", "code.txt"))
+
+
+def report_header(schema: str, tag: str, client: serving.Client) -> dict:
+    """What every labd report starts with: the date, the machine (GPU, driver, harness commit) and the server
+    (vLLM version, model, cache config; its whole config in dev mode), as bench/harness.py records them."""
+    return {"schema": schema, "tag": tag, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": harness.machine_facts(), "server": harness.server_facts(client.base, client.key)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,8 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # also run as a file: python bench/residue_sweep.py
     sys.path.insert(0, str(REPO))
 
-from bench import harness, serving  # noqa: E402
-from bench import report as br  # noqa: E402
+from bench import serving  # noqa: E402
 from bench import verbatim as vb  # noqa: E402
 
 SCHEMA = "qwen-serving residue-sweep/1"
@@ -85,17 +84,6 @@ def drafts_of(server: dict) -> int | None:
     spec = ((server.get("vllm_config") or {}).get("speculative_config")) or {}
     k = spec.get("num_speculative_tokens") if isinstance(spec, dict) else None
     return int(k) if k else None
-
-
-def one_request(client: serving.Client, model: str, case: vb.Case, salt: str, ignore_eos: bool) -> dict:
-    before = harness.metrics(client.base, client.key)
-    answer = vb.ask(client, model, case, salt=salt, ignore_eos=ignore_eos)
-    delta = br.metrics_delta(before, harness.metrics(client.base, client.key))
-    verdict = answer.judged_against(case.expected)
-    return {**verdict.to_dict(), "prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.completion_tokens,
-            "finish_reason": answer.finish_reason, "cache_hit_tokens": int(delta.counters["prefix_cache_hits"]),
-            "tokens_per_step": round(br.spec_figures(delta)["tokens_per_step"], 3), "seconds": round(answer.seconds, 3),
-            "answer_head": answer.text[:160] if verdict.verdict != "verbatim" else None}
 
 
 def summarize(rows: list[dict], wanted: list[int], suspect: int | None) -> dict:
@@ -180,15 +168,18 @@ def main(argv: list[str] | None = None) -> int:
                             "run_id": run_id, "seed": args.seed},
                   expected_len=len(expected), rows=[])
     path.parent.mkdir(parents=True, exist_ok=True)
+    page = None  # the last /metrics page: one read between two requests
     for r in args.residues:
         length = base + r
         case = vb.Case(f"r{r}", layout.prompt(length), expected, max_tokens)
         salt = f"{args.tag}-{run_id}-r{r}"
         try:
-            row = {"residue": r, "length": length,
-                   "cold": one_request(client, model, case, salt, bool(args.scripted)),
-                   "cached": one_request(client, model, case, salt, bool(args.scripted))}
+            row = {"residue": r, "length": length}
+            for name in ("cold", "cached"):  # the same request twice: the second hits what the first left
+                _, row[name], page = vb.ask_measured(client, model, case, salt=salt, ignore_eos=bool(args.scripted),
+                                                     before=page)
         except (OSError, ValueError) as err:
+            page = None
             report.setdefault("errors", []).append({"residue": r, "error": str(err)})
             print(f"r={r}: FAILED to run: {err}", file=sys.stderr)
             continue

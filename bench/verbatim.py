@@ -45,6 +45,7 @@ if str(REPO) not in sys.path:  # also run as a file: python bench/verbatim.py
     sys.path.insert(0, str(REPO))
 
 from bench import harness, serving  # noqa: E402
+from bench import report as br  # noqa: E402
 
 MIN_RUN = {"tokens": 8, "chars": 24}
 COVERED_MIN = 0.5  # corrupted (most came back) vs unrelated
@@ -196,7 +197,7 @@ class Case:
 
     name: str
     prompt: list[int]
-    expected: list[int] | str  # token ids (scripted checkpoint) or text (a real model)
+    expected: list[int] | str | None  # token ids (scripted checkpoint), text (a real model), None: not judged
     max_tokens: int
 
 
@@ -257,6 +258,30 @@ def ask(client: serving.Client, model: str, case: Case, *, salt: str | None = No
     completion = usage.get("completion_tokens", len(ids))
     return Answer("".join(text), ids, finish, usage.get("prompt_tokens"), completion, end - start,
                   None if first is None else first - start, None if first is None else last - first)
+
+
+def ask_measured(client: serving.Client, model: str, case: Case, *, salt: str | None = None, ignore_eos: bool = False,
+                 before: br.MetricsSnapshot | None = None) -> tuple[Answer, dict, br.MetricsSnapshot]:
+    """ask() alone on the server, between two /metrics pages: the answer, its figures (tokens per step and
+    acceptance as bench/report.py defines them, prefix-cache hit tokens, decode rate, TTFT, the judgement when
+    the case has an expected answer) and the page after it (the next request's `before`)."""
+    before = before or harness.metrics(client.base, client.key)
+    answer = ask(client, model, case, salt=salt, ignore_eos=ignore_eos)
+    after = harness.metrics(client.base, client.key)
+    delta = br.metrics_delta(before, after)
+    spec = br.spec_figures(delta)
+    figures = {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.completion_tokens,
+               "finish_reason": answer.finish_reason, "cache_hit_tokens": int(delta.counters["prefix_cache_hits"]),
+               "tokens_per_step": round(spec["tokens_per_step"], 4), "drafts": spec["drafts"],
+               "accepted_tokens": spec.get("accepted_tokens", 0),
+               "per_position_acceptance": [round(a, 4) for a in spec["per_position_acceptance"]],
+               "decode_tok_s": None if answer.decode_tok_s is None else round(answer.decode_tok_s, 2),
+               "decode_s": answer.decode_s, "ttft_ms": None if answer.ttft_s is None else round(answer.ttft_s * 1e3, 1),
+               "seconds": round(answer.seconds, 3)}
+    if case.expected is not None:
+        verdict = answer.judged_against(case.expected)
+        figures.update(verdict.to_dict(), answer_head=None if verdict.verdict == "verbatim" else answer.text[:160])
+    return answer, figures, after
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,8 +378,9 @@ def check_source_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 
 def default_text() -> str:
-    """The bundled held-out texts, one after another (bench/texts/README.md)."""
-    return "\n\n".join(TEXTS.joinpath(name).read_text().strip() for name in ("en.txt", "da.txt", "code.txt"))
+    """The bundled held-out texts, one after another (bench/texts/README.md), code first: a document's first
+    60 lines are then code, the coding assistant's copy."""
+    return "\n\n".join(TEXTS.joinpath(name).read_text().strip() for name in ("code.txt", "en.txt", "da.txt"))
 
 
 def report_header(schema: str, tag: str, client: serving.Client) -> dict:

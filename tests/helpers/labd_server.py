@@ -1,12 +1,19 @@
 """A loopback fake of the vLLM routes the labd tools use (bench/residue_sweep.py, labd_bench.py, labd_soak.py),
-run in a thread of the test: /v1/models, /version, /metrics (prefix-cache and spec-decode counters), /tokenize
+run as a child process (`FakeVllm`; in the test's own process the client and server threads would hand the GIL
+to each other every 5 ms, the interpreter's switch interval, for each of a sweep's ~800 requests):
+
+    python -m tests.helpers.labd_server --port P [--design DIR] [--tokens-per-step X] [--chunk-sleep S]
+        [--corrupt-visit N] [--corrupt-residue R] [--corrupt-shape middle|empty|truncated|unrelated]
+
+Routes: /v1/models, /version, /metrics (prefix-cache and spec-decode counters), /tokenize
 (a token is one character with the space before it, so " ." is one token and " . ." two, as a filler unit is in
 a real tokenizer) and streamed /v1/completions with `return_token_ids`.
 
 Its model: a prompt ending in a token of a scripted design's chain (scripted.json, written by `write_design`)
 is answered by walking the chain, as the scripted checkpoint's greedy decoding does; a text prompt holding
 "<document>\\n...\\n</document>" is answered with that document (a perfect copier); anything else with "ok ".
-A repeated (cache_salt, prompt) hits the prefix cache (its whole blocks of 16). Spec decode emits
+A prompt hits the prefix cache for the leading whole blocks (16 tokens) an earlier prompt of the same
+cache_salt shared. Spec decode emits
 `tokens_per_step` tokens a step. It can be told to damage one answer: the `corrupt_visit`-th time a prompt is
 seen (2 = its cache hit), optionally only at prompt length % 128 == `corrupt_residue`, in `corrupt_shape`
 (middle: one token changed in the middle; empty; truncated: the first third; unrelated: other tokens).
@@ -14,16 +21,22 @@ seen (2 = its cache hit), optionally only at prompt length % 128 == `corrupt_res
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from bench import serving
 from tests.helpers.fake_http import send_json
+
+REPO = Path(__file__).resolve().parents[2]
 
 MAX_MODEL_LEN = 65536
 BLOCK = 16
@@ -47,9 +60,34 @@ def write_design(model_dir: Path, active: list[int], seed: int = 0) -> list[int]
     return cycle
 
 
+class FakeVllm:
+    """The server in a child process, as a context manager: its URL once it answers."""
+
+    def __init__(self, *flags: str):
+        self.flags = [str(f) for f in flags]
+        self.port = serving.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> FakeVllm:
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.labd_server", "--port", str(self.port),
+                                      *self.flags], cwd=REPO)
+        deadline = time.monotonic() + 30
+        while serving.probe(self.url + "/v1/models", timeout_s=2)[0] != 200:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the fake vLLM did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
 class LabdServer:
     def __init__(self, design_dir: Path | None = None, tokens_per_step: float = 1.0, chunk_sleep_s: float = 0.0,
-                 corrupt_visit: int | None = None, corrupt_residue: int | None = None, corrupt_shape: str = "middle"):
+                 corrupt_visit: int | None = None, corrupt_residue: int | None = None, corrupt_shape: str = "middle",
+                 port: int = 0):
         self.successor = None
         if design_dir is not None:
             design = json.loads((design_dir / "scripted.json").read_text())
@@ -58,24 +96,14 @@ class LabdServer:
         self.corrupt_visit, self.corrupt_residue, self.corrupt_shape = corrupt_visit, corrupt_residue, corrupt_shape
         self.lock = threading.Lock()
         self.visits: dict[tuple, int] = {}
+        self.blocks: set[int] = set()
         self.counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "prefix_cache_queries",
                                        "prefix_cache_hits", "request_success", "spec_decode_num_drafts",
                                        "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"), 0)
-        self.corrupted: list[dict] = []  # what was damaged: {"length", "visit"}
         self.vocab: dict[str, int] = {}
         self.pieces: dict[int, str] = {}
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> LabdServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
     # the model -------------------------------------------------------------------------------
 
@@ -112,13 +140,16 @@ class LabdServer:
     def complete(self, body: dict) -> list[int]:
         prompt = body["prompt"]
         with self.lock:
-            key = (body.get("cache_salt"), tuple(prompt))
+            salt = body.get("cache_salt")
+            key = (salt, tuple(prompt))
             visit = self.visits[key] = self.visits.get(key, 0) + 1
             ids = self.answer(prompt, body["max_tokens"])
-            hit = (len(prompt) - 1) // BLOCK * BLOCK if visit > 1 else 0
+            # prefix caching: the leading whole blocks an earlier prompt of the same salt left (never the last token)
+            blocks = [hash((salt, tuple(prompt[:end]))) for end in range(BLOCK, len(prompt), BLOCK)]
+            hit = BLOCK * next((i for i, b in enumerate(blocks) if b not in self.blocks), len(blocks))
+            self.blocks.update(blocks)
             if visit == self.corrupt_visit and self.corrupt_residue in (None, len(prompt) % 128):
                 ids = self.damage(ids)
-                self.corrupted.append({"length": len(prompt), "visit": visit})
             steps = math.ceil(len(ids) / self.tokens_per_step)
             c = self.counters
             c["prompt_tokens"] += len(prompt)
@@ -201,3 +232,21 @@ class LabdServer:
                 self.wfile.flush()
 
         return Handler
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--design", type=Path)
+    p.add_argument("--tokens-per-step", type=float, default=1.0)
+    p.add_argument("--chunk-sleep", type=float, default=0.0)
+    p.add_argument("--corrupt-visit", type=int)
+    p.add_argument("--corrupt-residue", type=int)
+    p.add_argument("--corrupt-shape", default="middle", choices=("middle", "empty", "truncated", "unrelated"))
+    a = p.parse_args()
+    LabdServer(a.design, a.tokens_per_step, a.chunk_sleep, a.corrupt_visit, a.corrupt_residue, a.corrupt_shape,
+               a.port).httpd.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

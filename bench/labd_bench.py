@@ -208,32 +208,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def open_run(args: argparse.Namespace, schema: str, suffix: str, tool: str):
-    """(report path, client, report header, cases, document facts) of a labd run, or an exit code."""
-    path = args.out / f"{args.tag}-{suffix}.json"
-    if path.exists() and not args.force:
-        print(f"{tool}: {path} exists (pick another tag, or --force)", file=sys.stderr)
-        return 2
-    client = serving.Client(args.url, serving.api_key(args.api_key))
-    try:
-        report = vb.report_header(schema, args.tag, client)
-        cases, facts = build_cases(args, client, report["server"]["model"]["id"])
-    except ValueError as err:
-        print(f"{tool}: {err}", file=sys.stderr)
-        return 2
-    except (OSError, KeyError, IndexError) as err:
-        print(f"{tool}: no usable vLLM server at {args.url}: {err}", file=sys.stderr)
-        return 3
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path, client, report, cases, facts
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    opened = open_run(args, SCHEMA, "labd", "labd_bench")
+    opened = vb.open_run(args, SCHEMA, "labd", "labd_bench", lambda client, model: build_cases(args, client, model))
     if isinstance(opened, int):
         return opened
-    path, client, report, cases, facts = opened
+    path, client, report, (cases, facts) = opened
     model = report["server"]["model"]["id"]
     salt = f"{args.tag}-{secrets.token_hex(4)}"
     ignore_eos = bool(args.scripted)

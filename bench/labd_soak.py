@@ -105,10 +105,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    opened = lb.open_run(args, SCHEMA, "labd-soak", "labd_soak")
+    opened = vb.open_run(args, SCHEMA, "labd-soak", "labd_soak", lambda client, model: lb.build_cases(args, client, model))
     if isinstance(opened, int):
         return opened
-    path, client, report, cases, facts = opened
+    path, client, report, (cases, facts) = opened
     model = report["server"]["model"]["id"]
     salt = f"{args.tag}-{secrets.token_hex(4)}"
     rng = random.Random(args.seed)

@@ -141,21 +141,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    path = args.out / f"{args.tag}-residue.json"
-    if path.exists() and not args.force:
-        print(f"residue_sweep: {path} exists (pick another tag, or --force)", file=sys.stderr)
-        return 2
-    client = serving.Client(args.url, serving.api_key(args.api_key))
-    try:
-        report = vb.report_header(SCHEMA, args.tag, client)
-        model = report["server"]["model"]["id"]
-        layout, expected, max_tokens = copy_layout(args, client, model)
-    except ValueError as err:
-        print(f"residue_sweep: {err}", file=sys.stderr)
-        return 2
-    except (OSError, KeyError, IndexError) as err:
-        print(f"residue_sweep: no usable vLLM server at {args.url}: {err}", file=sys.stderr)
-        return 3
+    opened = vb.open_run(args, SCHEMA, "residue", "residue_sweep", lambda client, model: copy_layout(args, client, model))
+    if isinstance(opened, int):
+        return opened
+    path, client, report, (layout, expected, max_tokens) = opened
+    model = report["server"]["model"]["id"]
     base = args.base if args.base is not None else -(-layout.minimum // MODULUS) * MODULUS
     if base < layout.minimum:
         print(f"residue_sweep: --base {base} is shorter than the prompt's {layout.minimum} tokens", file=sys.stderr)
@@ -167,7 +157,6 @@ def main(argv: list[str] | None = None) -> int:
                             "base": base, "modulus": MODULUS, "max_tokens": max_tokens, "drafts": drafts,
                             "run_id": run_id, "seed": args.seed},
                   expected_len=len(expected), rows=[])
-    path.parent.mkdir(parents=True, exist_ok=True)
     page = None  # the last /metrics page: one read between two requests
     for r in args.residues:
         length = base + r

@@ -35,7 +35,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -388,6 +388,28 @@ def report_header(schema: str, tag: str, client: serving.Client) -> dict:
     (vLLM version, model, cache config; its whole config in dev mode), as bench/harness.py records them."""
     return {"schema": schema, "tag": tag, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "machine": harness.machine_facts(), "server": harness.server_facts(client.base, client.key)}
+
+
+def open_run(args: argparse.Namespace, schema: str, suffix: str, tool: str, build: Callable[[serving.Client, str], Any]):
+    """The start every labd tool shares: (report path OUT/TAG-suffix.json, client, report header, what
+    `build(client, model)` made of the server), or the exit code after one line on stderr: 2 for a report that
+    exists (without --force) or bad input (a ValueError of `build`), 3 for a server that cannot be used."""
+    path = args.out / f"{args.tag}-{suffix}.json"
+    if path.exists() and not args.force:
+        print(f"{tool}: {path} exists (pick another tag, or --force)", file=sys.stderr)
+        return 2
+    client = serving.Client(args.url, serving.api_key(args.api_key))
+    try:
+        report = report_header(schema, args.tag, client)
+        built = build(client, report["server"]["model"]["id"])
+    except ValueError as err:
+        print(f"{tool}: {err}", file=sys.stderr)
+        return 2
+    except (OSError, KeyError, IndexError) as err:
+        print(f"{tool}: no usable vLLM server at {args.url}: {err}", file=sys.stderr)
+        return 3
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path, client, report, built
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,10 +13,11 @@ The judge compares sequences: token ids (the scripted checkpoint, whose greedy a
   longest_run is the longest of them, coverage the share of the document those runs cover;
 and a verdict, which is the shape of the answer, because the spec's corrupted residue did not fail one way:
 it returned an empty answer, a one-character answer and fluent text of its own (2 of 1,146 characters).
-- `verbatim`: the answer is the document.            - `embedded`: the whole document, in one run, with other
-- `empty`: nothing (or only whitespace).               text around it (a fence, a preamble).
-- `truncated`: one clean run from the document's start to the answer's end, short of the document's end.
-- `corrupted`: most of the document came back (coverage >= 0.5), but not in one run.
+- `empty`: nothing (or only whitespace);
+- `verbatim`: the answer is the document;
+- `embedded`: the whole document in one run, with other text around it (a fence, a preamble);
+- `truncated`: one clean run from the document's start to the answer's end, short of the document's end;
+- `corrupted`: most of the document came back (coverage >= 0.5), but not in one run;
 - `unrelated`: most of the document did not come back.
 Only `verbatim` and `embedded` pass.
 

@@ -13,8 +13,7 @@ Its model: a prompt ending in a token of a scripted design's chain (scripted.jso
 is answered by walking the chain, as the scripted checkpoint's greedy decoding does; a text prompt holding
 "<document>\\n...\\n</document>" is answered with that document (a perfect copier); anything else with "ok ".
 A prompt hits the prefix cache for the leading whole blocks (16 tokens) an earlier prompt of the same
-cache_salt shared. Spec decode emits
-`tokens_per_step` tokens a step. It can be told to damage one answer: the `corrupt_visit`-th time a prompt is
+cache_salt shared. Spec decode emits `tokens_per_step` tokens a step. It can be told to damage one answer: the `corrupt_visit`-th time a prompt is
 seen (2 = its cache hit), optionally only at prompt length % 128 == `corrupt_residue`, in `corrupt_shape`
 (middle: one token changed in the middle; empty; truncated: the first third; unrelated: other tokens).
 """

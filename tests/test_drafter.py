@@ -21,7 +21,7 @@ from qwen_serving.checkpoint.scripted_reference import Reference
 from tests.helpers.prepared_vllm_load import load_report
 from tests.helpers.tiny_checkpoint import REPO, make_tiny, tree_state
 
-PROMPTS, TOKENS, EVERY = 6, 40, 3
+PROMPTS, TOKENS, EVERY = 6, 24, 3
 MTP_LINEARS = ["mtp.fc", *(f"mtp.layers.0.mlp.{p}" for p in ("down_proj", "gate_proj", "up_proj")),
                *(f"mtp.layers.0.self_attn.{p}" for p in ("k_proj", "o_proj", "q_proj", "v_proj"))]
 
@@ -128,14 +128,27 @@ def test_output_error_and_grid_rounding():
 
 
 def test_the_table_flags_a_matrix_where_gptq_does_not_win():
-    rows = [{"module": "a", "shape": [64, 128], "calibration_rows": 10, "held_out_rows": 5, "rtn_int4py": 0.12,
-             "rtn": 0.11, "gptq": 0.07},
-            {"module": "b", "shape": [64, 128], "calibration_rows": 10, "held_out_rows": 5, "rtn_int4py": 0.10,
-             "rtn": 0.11, "gptq": 0.105}]
-    assert drafter_quantize.gptq_beats_rtn(rows) == ["b"]
+    def row(module, rtn_int4py, rtn, gptq):
+        return {"module": module, "shape": [64, 128], "calibration_rows": 10, "held_out_rows": 5,
+                "rtn_int4py": rtn_int4py, "rtn": rtn, "gptq": gptq, "grid": "minmax/7.5"}
+
+    rows = [row("a", 0.12, 0.11, 0.07), row("b", 0.10, 0.11, 0.105), row("tie", 0.002, 0.002, 0.002),
+            row("zero", 0.0, 0.0, 0.0)]
+    assert drafter_quantize.gptq_beats_rtn(rows) == ["b", "tie"]  # an all-zero matrix is exact for every method
     table = drafter_quantize.table_markdown(rows)
-    assert "| `a` | 64 x 128 | 10 | 5 | 0.1200 | 0.1100 | 0.0700 | 0.636 |" in table
-    assert "| `b` |" in table and "1.050 |" in table
+    assert "| `a` | 64 x 128 | 10 | 5 | 0.12000 | 0.11000 | 0.07000 | minmax/7.5 | 0.636 |" in table
+    assert "| `b` |" in table and "1.050 |" in table and "exact (zero matrix) |" in table
+
+
+def test_gptq_keeps_the_grid_with_the_lower_calibration_error():
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 256, generator=gen)
+    x = torch.randn(300, 256, generator=gen)
+    codes, scales = drafter_quantize.rtn(weight)
+    approx = drafter_quantize.dequantize(codes, scales)
+    hessian = x.double().T @ x.double()
+    expected = float(((x.double() @ (weight - approx).double().T) ** 2).sum())
+    assert drafter_quantize.calibration_error(weight, approx, hessian) == pytest.approx(expected, rel=1e-9)
 
 
 def _variant(tiny: Path, capture: Path, root: Path, method: str, python: str = sys.executable) -> tuple[Path, Path]:

@@ -137,6 +137,7 @@ class Stats:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             save_file(tensors, str(tmp), metadata={"capture": json.dumps(meta)})
+            os.chmod(tmp, 0o644)  # as the checkpoint's own files (the library creates it 0600)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)

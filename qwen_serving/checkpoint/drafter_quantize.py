@@ -1,14 +1,17 @@
 """The calibrated int4 drafter matrices: GPTQ (llmcompressor) on captured Hessians, the error table, the variant.
 
 Each matrix becomes W4A16 group-128 symmetric compressed-tensors (`int4.py`'s pack-quantized
-layout, what vLLM loads with Marlin). The grid is llmcompressor's own: its memoryless min-max
-observer's scale (max|w| / 7.5 per group of 128), rounded to bf16 first because vLLM holds the
-scales as bf16 parameters (so the codes are chosen against the scale the engine multiplies by),
-then stored as fp16 like every int4 scale here (a bf16 value is an fp16 value at these
-magnitudes). GPTQ proper is llmcompressor's `quantize_weight` on the captured sum(x^T x) / rows;
-it needs the quant venv (drafter/install.sh). `rtn` is round-to-nearest on the same grid, and
-`int4.quantize_int4_groups` (max|w| / 7) is the repo's own RTN: the error table compares all
-three on the held-out rows, relative output error ||X (W - Q)^T|| / ||X W^T|| (Frobenius).
+layout, what vLLM loads with Marlin). GPTQ proper is llmcompressor's `quantize_weight` on the
+captured 2 sum(x^T x) / rows (its own Hessian normalisation), dampening 0.01, block 128, no act-order
+(Marlin W4A16 without g_idx); it needs the quant venv (drafter/install.sh). The scale grid is fixed
+before GPTQ runs, and two are tried: llmcompressor's memoryless min-max observer (max|w| / 7.5 per
+group of 128) and int4.py's max|w| / 7 (the group's extreme exactly on code +-7, which represents a
+weight already on that grid); the one with the lower error on the *calibration* rows, tr(D H D^T),
+is kept. Scales are rounded to bf16 before the codes are chosen, because vLLM holds them as bf16
+parameters, then stored as fp16 like every int4 scale here (a bf16 value is an fp16 value at these
+magnitudes). `rtn` is round-to-nearest on the min-max grid (any venv, no llmcompressor). The error
+table compares GPTQ with round-to-nearest on its own grid and with `int4.quantize_int4_groups` (the
+repo's RTN) on the held-out rows: relative output error ||X (W - Q)^T|| / ||X W^T|| (Frobenius).
 
 The fast variant is written as `hub.build_fast_variant` composes the fetched one (a new model
 directory beside the base: unchanged shards hard-linked, the new modules' tensors in a new shard,
@@ -60,39 +63,77 @@ def _quant_args():
                             observer="memoryless_minmax")
 
 
+def _usable(scales: torch.Tensor) -> torch.Tensor:
+    # an all-zero group has scale 0; any scale gives it code 0, and 1 keeps the division finite
+    return torch.where(scales > 0, scales, torch.ones_like(scales))
+
+
 def library_grid(weight: torch.Tensor) -> torch.Tensor:
-    """llmcompressor's min-max observer scales [rows, groups], rounded to what the engine holds."""
+    """llmcompressor's min-max observer scales [rows, groups] (max|w| / 7.5), as the engine holds them."""
     from llmcompressor.observers import Observer
 
     observer = Observer.load_from_registry("memoryless_minmax", base_name="weight", args=_quant_args())
     observer(weight)
-    return engine_scales(observer.get_qparams()["scale"].float())
+    return _usable(engine_scales(observer.get_qparams()["scale"].float()))
 
 
-def gptq(weight: torch.Tensor, hessian: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """llmcompressor GPTQ of one matrix: (codes int8 [out, in], scales fp16 [out, in/G])."""
+def absmax_grid(weight: torch.Tensor) -> torch.Tensor:
+    """int4.py's scales (max|w| / 7: the group's extreme lands on code +-7 exactly), as the engine holds them."""
+    return engine_scales(int4.quantize_int4_groups(weight)[1].float())
+
+
+ROW_CHUNK = 16384  # output rows per GPTQ call: rows are independent given H, so chunks only bound memory
+
+
+def gptq_on_grid(weight: torch.Tensor, h: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """llmcompressor's quantize_weight on one fixed grid: int8 codes [out, in]."""
     from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
 
+    codes = torch.empty(weight.shape, dtype=torch.int8)
+    for r0 in range(0, weight.shape[0], ROW_CHUNK):
+        w, s = weight[r0 : r0 + ROW_CHUNK], scales[r0 : r0 + ROW_CHUNK]
+        quantized, _loss, fell_back = quantize_weight(w[None].clone(), h[None].clone(), s[None],
+                                                      torch.zeros_like(s)[None], None, _quant_args(),
+                                                      percdamp=DAMPENING)
+        if bool(fell_back[0]):
+            raise CheckpointError("GPTQ fell back to round-to-nearest (the Hessian is not positive definite): "
+                                  "capture more prompts")
+        chunk = codes_on_grid(quantized[0], s)
+        if not torch.allclose(int4.dequantize_int4_groups(chunk, s), quantized[0], rtol=0, atol=1e-6):
+            raise CheckpointError("llmcompressor's GPTQ output is not on its own int4 grid")
+        codes[r0 : r0 + ROW_CHUNK] = chunk
+    return codes
+
+
+def calibration_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
+    """sum over the calibration rows of ||x (W - Q)^T||^2 = tr(D H D^T), from the captured H = sum x^T x."""
+    total = 0.0
+    for r0 in range(0, weight.shape[0], ROW_CHUNK):
+        d = (weight[r0 : r0 + ROW_CHUNK] - approx[r0 : r0 + ROW_CHUNK]).double()
+        total += float(((d @ hessian) * d).sum())
+    return total
+
+
+def gptq(weight: torch.Tensor, hessian: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """GPTQ of one matrix on each candidate grid; the one with the lower error on the *calibration* rows
+    (the held-out rows are only for the table). Returns (codes int8, scales fp16, grid name)."""
     weight = weight.float()
-    scales = library_grid(weight)
     # llmcompressor's own Hessian is 2 x^T x / samples (helpers.accumulate_hessian, prepare_batch)
     h = (2.0 * hessian / max(rows, 1)).float()
-    quantized, _loss, fell_back = quantize_weight(weight[None].clone(), h[None], scales[None],
-                                                  torch.zeros_like(scales)[None], None, _quant_args(),
-                                                  percdamp=DAMPENING)
-    if bool(fell_back[0]):
-        raise CheckpointError("GPTQ fell back to round-to-nearest (the Hessian is not positive definite): "
-                              "capture more prompts")
-    codes = codes_on_grid(quantized[0], scales)
-    if not torch.allclose(codes.float().view(*scales.shape, -1) * scales[..., None],
-                          quantized[0].view(*scales.shape, -1), rtol=0, atol=1e-6):
-        raise CheckpointError("llmcompressor's GPTQ output is not on its own int4 grid")
-    return codes, scales.half()
+    best = None
+    for name, grid in (("minmax/7.5", library_grid), ("absmax/7", absmax_grid)):
+        scales = grid(weight)
+        codes = gptq_on_grid(weight, h, scales)
+        error = calibration_error(weight, int4.dequantize_int4_groups(codes, scales), hessian)
+        if best is None or error < best[0]:
+            best = (error, codes, scales, name)
+    return best[1], best[2].half(), best[3]
 
 
 def rtn(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round-to-nearest on the same grid as gptq() (its scale rule, no error feedback)."""
-    scales = engine_scales(weight.float().view(weight.shape[0], -1, int4.GROUP_SIZE).abs().amax(-1) / 7.5)
+    """Round-to-nearest on llmcompressor's grid (its observer's max|w| / 7.5 rule, no error feedback):
+    the variant any venv can write, without llmcompressor."""
+    scales = _usable(engine_scales(weight.float().view(weight.shape[0], -1, int4.GROUP_SIZE).abs().amax(-1) / 7.5))
     return codes_on_grid(weight, scales), scales.half()
 
 
@@ -124,23 +165,27 @@ def error_row(module: str, weight: torch.Tensor, stats: Stats, result: tuple[tor
 
 
 def table_markdown(rows: list[dict]) -> str:
+    """The held-out error table (relative output error; lower is better)."""
     gptq_col = any("gptq" in r for r in rows)
-    head = "| matrix | shape | calib rows | held-out rows | RTN (int4.py, max/7) | RTN (same grid) |"
-    head += " GPTQ | GPTQ / RTN |\n" if gptq_col else "\n"
-    lines = [head, "|" + "---|" * (8 if gptq_col else 6) + "\n"]
+    head = "| matrix | shape | calib rows | held-out rows | RTN, int4.py grid (max/7) | RTN, GPTQ's grid |"
+    head += " GPTQ | GPTQ's grid | GPTQ / best RTN |\n" if gptq_col else "\n"
+    lines = [head, "|" + "---|" * (9 if gptq_col else 6) + "\n"]
     for r in rows:
         line = (f"| `{r['module']}` | {r['shape'][0]} x {r['shape'][1]} | {r['calibration_rows']} | "
-                f"{r['held_out_rows']} | {r['rtn_int4py']:.4f} | {r['rtn']:.4f} |")
+                f"{r['held_out_rows']} | {r['rtn_int4py']:.5f} | {r['rtn']:.5f} |")
         if gptq_col:
             best_rtn = min(r["rtn"], r["rtn_int4py"])
-            line += f" {r['gptq']:.4f} | {r['gptq'] / best_rtn:.3f} |"
+            ratio = f"{r['gptq'] / best_rtn:.3f}" if best_rtn > 0 else "exact (zero matrix)"
+            line += f" {r['gptq']:.5f} | {r['grid']} | {ratio} |"
         lines.append(line + "\n")
     return "".join(lines)
 
 
 def gptq_beats_rtn(rows: list[dict]) -> list[str]:
-    """Matrices where GPTQ's held-out error is not below both RTN baselines (empty: it wins everywhere)."""
-    return [r["module"] for r in rows if not r["gptq"] < min(r["rtn"], r["rtn_int4py"])]
+    """Matrices where GPTQ's held-out error is not below both RTN baselines (empty: it wins everywhere).
+    A matrix every method reproduces exactly (an all-zero one) has nothing to beat and is not listed."""
+    return [r["module"] for r in rows
+            if not (r["gptq"] < min(r["rtn"], r["rtn_int4py"]) or r["gptq"] == r["rtn"] == r["rtn_int4py"] == 0.0)]
 
 
 # ---------------------------------------------------------------- the variant
@@ -160,11 +205,12 @@ def quantize_all(base: ModelDir, stats: Stats, method: str) -> tuple[dict[str, t
         if method == "gptq":
             if module not in stats.hessian:
                 raise CheckpointError(f"{module}: the capture has no Hessian for it")
-            result = gptq(weight, stats.hessian[module], stats.rows[module])
+            codes, scales, grid = gptq(weight, stats.hessian[module], stats.rows[module])
+            result = (codes, scales)
         else:
-            result = rtn(weight)
+            result, grid = rtn(weight), "minmax/7.5"
         results[module] = result
-        table.append(error_row(module, weight, stats, result, method))
+        table.append({**error_row(module, weight, stats, result, method), "grid": grid})
         say(f"quantize: {module} {tuple(weight.shape)} {method} in {time.monotonic() - start:.1f} s")
     return results, table
 
@@ -207,6 +253,7 @@ def build_variant(base_dir: str | Path, stats_path: str | Path, out_dir: str | P
                 losing = gptq_beats_rtn(table)
                 if losing:
                     say(f"quantize: warning: GPTQ is not below round-to-nearest on {', '.join(losing)}")
+            markdown = table_markdown(table)  # before anything is written
             folder = out_dir.parent / f".{out_dir.name}.drafter-tensors-{os.getpid()}"
             folder.mkdir()
             try:
@@ -220,7 +267,6 @@ def build_variant(base_dir: str | Path, stats_path: str | Path, out_dir: str | P
             problems = steps.quant_problems(ModelDir.open(out_dir))
             if problems:
                 raise CheckpointError(f"{out_dir} does not verify: {problems[0]}")
-            markdown = table_markdown(table)
             print(markdown, end="")
             if table_path:
                 Path(table_path).write_text(markdown)

@@ -35,20 +35,19 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "prepare" / "calibration
 
 
 def fast_variant_modules(weight_map: dict[str, str]) -> list[str]:
-    """The fast variant's matrices: the lm_head and every MTP linear (float or already packed)."""
-    modules = {"lm_head"} if ("lm_head.weight" in weight_map or "lm_head.weight_packed" in weight_map) else set()
+    """The fast variant's matrices: the lm_head and every MTP linear (float `.weight` or packed)."""
+    modules = set()
     for name in weight_map:
         module, _, leaf = name.rpartition(".")
-        if module.startswith("mtp.") and not module.startswith(DRAFT_HEAD) and leaf in ("weight", "weight_packed"):
-            if leaf == "weight_packed" or f"{module}.weight_scale" not in weight_map:
-                modules.add(module)
-    return sorted(m for m in modules if _is_matrix_module(m, weight_map))
+        if leaf in ("weight", "weight_packed") and (module == "lm_head" or _is_mtp_linear(module)):
+            modules.add(module)
+    return sorted(modules)
 
 
-def _is_matrix_module(module: str, weight_map: dict[str, str]) -> bool:
-    # norms (mtp.norm, q_norm, ...) have a 1-D .weight; linears have "_proj", "fc" or are the lm_head
+def _is_mtp_linear(module: str) -> bool:
+    # the MTP's norms (mtp.norm, q_norm, ...) also have a `.weight`; its linears are `fc` and the `*_proj`s
     leaf = module.rsplit(".", 1)[-1]
-    return module == "lm_head" or leaf == "fc" or leaf.endswith("_proj")
+    return module.startswith("mtp.") and not module.startswith(DRAFT_HEAD) and (leaf == "fc" or leaf.endswith("_proj"))
 
 
 # ---------------------------------------------------------------- prompts

@@ -30,7 +30,7 @@ import torch
 
 from qwen_serving.checkpoint import hub, int4, steps, transaction
 from qwen_serving.checkpoint.console import say
-from qwen_serving.checkpoint.drafter_capture import Stats
+from qwen_serving.checkpoint.drafter_capture import Stats, model_digest
 from qwen_serving.checkpoint.model_dir import CheckpointError, ModelDir
 from qwen_serving.checkpoint.rewrite import apply_change
 
@@ -244,8 +244,6 @@ def build_variant(base_dir: str | Path, stats_path: str | Path, out_dir: str | P
                 raise CheckpointError(f"{stats_path} is a partial capture ({stats.meta['done']} of "
                                       f"{stats.meta['prompts']} prompts): run drafter/capture.py again to finish it")
             base = ModelDir.open(base_dir)
-            from qwen_serving.checkpoint.drafter_capture import model_digest
-
             if stats.meta.get("model_digest") != model_digest(base_dir):
                 raise CheckpointError(f"{stats_path} was captured from another checkpoint ({stats.meta.get('model')})")
             results, table = quantize_all(base, stats, method)

@@ -170,19 +170,26 @@ class Reference:
         self.rotary_dim = int(t["head_dim"] * rope["partial_rotary_factor"])
         self.theta = float(rope["rope_theta"])
         self.draft_ids: list[int] | None = None
+        # observe(module, x) sees the input of every attention / MLP / MTP fc linear (drafter_capture.py)
+        self.observe = None
         if "draft_vocab" in config:
             record = json.loads((self.w.path / config["draft_vocab"]["ids_file"]).read_text())
             self.draft_ids = record["ids"]
 
     # -- building blocks
 
+    def _linear(self, x: torch.Tensor, module: str) -> torch.Tensor:
+        if self.observe is not None:
+            self.observe(module, x)
+        return x @ self.w.linear(module).T
+
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return _rms(x, self.eps) * (1.0 + self.w.dense(name))  # Qwen3.5's (1 + w) RMSNorm
 
     def _mlp(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        gate = x @ self.w.linear(f"{prefix}.mlp.gate_proj").T
-        up = x @ self.w.linear(f"{prefix}.mlp.up_proj").T
-        return (F.silu(gate) * up) @ self.w.linear(f"{prefix}.mlp.down_proj").T
+        gate = self._linear(x, f"{prefix}.mlp.gate_proj")
+        up = self._linear(x, f"{prefix}.mlp.up_proj")
+        return self._linear(F.silu(gate) * up, f"{prefix}.mlp.down_proj")
 
     # the blocks take [B, T, H]: B sequences of one length, run together (each matrix is dequantized once)
 
@@ -191,10 +198,10 @@ class Reference:
         heads, kv_heads, hd = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
         p = f"{prefix}.self_attn"
         b, n = x.shape[:2]
-        q_gate = (x @ self.w.linear(f"{p}.q_proj").T).view(b, n, heads, 2 * hd)
+        q_gate = self._linear(x, f"{p}.q_proj").view(b, n, heads, 2 * hd)
         q, gate = q_gate[..., :hd], q_gate[..., hd:]
-        k = (x @ self.w.linear(f"{p}.k_proj").T).view(b, n, kv_heads, hd)
-        v = (x @ self.w.linear(f"{p}.v_proj").T).view(b, n, kv_heads, hd)
+        k = self._linear(x, f"{p}.k_proj").view(b, n, kv_heads, hd)
+        v = self._linear(x, f"{p}.v_proj").view(b, n, kv_heads, hd)
         q = _rope(self._norm(q, f"{p}.q_norm.weight"), positions, self.rotary_dim, self.theta)
         k = _rope(self._norm(k, f"{p}.k_norm.weight"), positions, self.rotary_dim, self.theta)
         group = heads // kv_heads
@@ -203,7 +210,7 @@ class Reference:
         causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         out = torch.einsum("bhqk,bkhd->bqhd", probs, v) * torch.sigmoid(gate)
-        return out.reshape(b, n, heads * hd) @ self.w.linear(f"{p}.o_proj").T
+        return self._linear(out.reshape(b, n, heads * hd), f"{p}.o_proj")
 
     def _gated_deltanet(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         t = self.t
@@ -272,7 +279,7 @@ class Reference:
         """The MTP module over rows (token, previous hidden): [T, H] normed outputs."""
         e = self._norm(self.embed(tokens), "mtp.pre_fc_norm_embedding.weight")
         h = self._norm(hiddens, "mtp.pre_fc_norm_hidden.weight")
-        x = torch.cat([e, h], dim=-1) @ self.w.linear("mtp.fc").T
+        x = self._linear(torch.cat([e, h], dim=-1), "mtp.fc")
         x = self._decoder(x[None], positions, "mtp.layers.0", "full_attention")[0]
         return self._norm(x, "mtp.norm.weight")
 

@@ -38,6 +38,14 @@ API_KEY_FILE = "api_key.txt"
 VISION_IMAGE_TOKENS = 2048  # the pixel cap VISION=1 sets, in image tokens
 VISION_MAX_PIXELS = VISION_IMAGE_TOKENS * 32 * 32  # one image token per 32x32 pixels (16-pixel patches, 2x2 merge)
 HUGE_KV = "kvarn"  # the long-context cache dtype CTX=huge and KV=kvarn ask for (the KVarN cache is not built yet)
+LOOKUP_ENV = "VLLM_DFLASH2_LOOKUP"  # read by patches/dflash2-lookup.patch (engine/spec_dflash2_lookup.py)
+LOOKUP_MAX_NMAX = 64  # the lookup kernel unrolls its match loop NMAX times
+LOOKUP_PARAMS = (  # (variable, largest value, default, what it sets): the spec's values
+    (f"{LOOKUP_ENV}_NMIN", LOOKUP_MAX_NMAX, 6, "shortest suffix of the history that may match"),
+    (f"{LOOKUP_ENV}_NMAX", LOOKUP_MAX_NMAX, 12, "longest suffix tried"),
+    (f"{LOOKUP_ENV}_NSTRONG", LOOKUP_MAX_NMAX + 1, 8, "a match this long is taken without the drafter agreeing"),
+    (f"{LOOKUP_ENV}_AGREE", 31, 2, "a shorter match needs the drafter's first AGREE drafts to equal it"),
+)
 
 
 class KnobError(ValueError):
@@ -444,6 +452,14 @@ KNOBS: tuple[Knob, ...] = (
         argv=lambda value, v, z: [] if z.kv_mem is None else ["--kv-cache-memory-bytes", str(z.kv_mem)]),
     Knob("DRAFT", _text, _rules(Rule(DFLASH2_DRAFTER)), "DFlash2 drafter dir (`prepare/fetch_dflash2.py`)",
          SINGLE),
+    Knob("LOOKUP", _bit, _rules(Rule(1)),
+         "SPEC=dflash2: each step, the continuation of the latest earlier occurrence of the request's own last "
+         "tokens replaces the drafter's drafts (a match of NSTRONG tokens alone, a shorter one where the drafter agrees "
+         "on its first AGREE); exact (point-mass proposals), not measured on a GPU yet", SINGLE,
+         export=Export(LOOKUP_ENV, {"SPEC": "dflash2"})),
+    *(Knob(var, _int(1, hi), _rules(Rule(default)), f"LOOKUP: {doc}", SINGLE,
+           export=Export(var, {"SPEC": "dflash2", "LOOKUP": 1}))
+      for var, hi, default, doc in LOOKUP_PARAMS),
     Knob("DRAFT_SAMPLE", _choice("probabilistic", "greedy"), _rules(Rule("probabilistic")),
          "MTP draft sampling; `greedy` is the same at T=0 and ~15% slower at T>0", SINGLE),
     Knob("SPEC_ATTN", _bit, _rules(Rule(1, {"CTX": "fast"}), Rule(0)),
@@ -555,7 +571,8 @@ BATCHED_TOKENS = "--max-num-batched-tokens"
 RENDER_ORDER = ("MODEL", "HOST", "PORT", "TP", "MAX_SEQS", "MAX_LEN", "STATE_DTYPE", "CTX", "KV", "KV_MEM", "GPU_UTIL",
                 "PREFIX_CACHE", "SPEC", "ASYNC_SCHED", "CUDAGRAPH_MODE", BATCHED_TOKENS, "TOOLS", "VISION",
                 "REQ_METRICS", "API_SERVERS", "GDN_PREFILL", "EXTRA_ARGS",
-                "INT8_ACT", "INT8_LAYERS", "SPEC_ATTN", "MTP_DRAFT_VOCAB", "PREFILL_ATTN")
+                "INT8_ACT", "INT8_LAYERS", "SPEC_ATTN", "MTP_DRAFT_VOCAB", "PREFILL_ATTN", "LOOKUP",
+                *(var for var, *_ in LOOKUP_PARAMS))
 
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 SECRET_ENV = "VLLM_API_KEY"
@@ -614,6 +631,11 @@ class Values:
     max_len: int
     kv_mem: int | str
     draft: str
+    lookup: int
+    vllm_dflash2_lookup_nmin: int
+    vllm_dflash2_lookup_nmax: int
+    vllm_dflash2_lookup_nstrong: int
+    vllm_dflash2_lookup_agree: int
     draft_sample: str
     spec_attn: int
     mtp_draft_vocab: int
@@ -659,6 +681,9 @@ def violations(v: Values) -> tuple[list[str], list[str]]:
     for check in checks():
         if check.applies(v.mode, values, v.explicit):
             (warnings if check.warn else refusals).append(check.message.format_map(values))
+    if v.mode == "single" and v.spec == "dflash2" and v.lookup and v.vllm_dflash2_lookup_nmin > v.vllm_dflash2_lookup_nmax:
+        refusals.append(f"{LOOKUP_ENV}_NMIN={v.vllm_dflash2_lookup_nmin} is above {LOOKUP_ENV}_NMAX="
+                        f"{v.vllm_dflash2_lookup_nmax}; the lookup could never match: lower NMIN or raise NMAX")
     return refusals, warnings
 
 

@@ -117,7 +117,10 @@ def test_defaults_by_mode(probe):
     assert huge.value("MAX_SEQS") == 2
     d = plan.build("single", {"SPEC": "dflash2"}, probe)
     assert d.kv_mem == knobs.KV_MEM_PINNED and "--no-async-scheduling" in d.argv
-    assert d.env == {"VLLM_SPEC_DECODE_ATTN": "1"}  # no stub exports (the lookup drafter is not built yet)
+    lookup = {var: str(default) for var, _, default, _ in knobs.LOOKUP_PARAMS}  # read by dflash2-lookup.patch
+    assert d.env == {"VLLM_SPEC_DECODE_ATTN": "1", "VLLM_DFLASH2_LOOKUP": "1", **lookup}
+    assert plan.build("single", {"SPEC": "dflash2", "LOOKUP": "0"}, probe).env == {
+        "VLLM_SPEC_DECODE_ATTN": "1", "VLLM_DFLASH2_LOOKUP": "0"}
 
 
 def test_every_automatic_adjustment_is_printed(probe):

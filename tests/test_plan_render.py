@@ -30,6 +30,11 @@ tensor-parallel size no longer travels in EXTRA_ARGS: the configuration that pas
 with a pointer at TP (in FALSE_OK), and EXTRA_ARGS's one-line doc, which a refusal quotes, no longer
 suggests it (OLD_EXTRA_ARGS_DOC is replaced by the new doc in the old output).
 
+Issue #18 item 2 (lookup drafting) offers LOOKUP and VLLM_DFLASH2_LOOKUP_{NMIN,NMAX,NSTRONG,AGREE} again, now
+read by patches/dflash2-lookup.patch (the spec's defaults: NSTRONG 8, AGREE 2); the old plan's other
+VLLM_DFLASH2_LOOKUP_* stubs stay removed. Their lines are dropped from the new output too and asserted apart
+(assert_lookup_lines_as_intended), and NMIN above NMAX is refused again, in the new words.
+
 Issue #23 ("Images") added one derived line to explain with VISION=1: "vision tower" (the tower's weights and
 the encoder cache the memory model counts), dropped from the new output (VISION_LINE), exactly once there and
 nowhere else. The fixture's runs have no card, so no KV_MEM=auto figure (which now takes the encoder cache
@@ -49,6 +54,8 @@ from tests.helpers.plan_render import CONFIGS, render
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "plan-render.json"
 STUBS = re.compile(r"\b(LOOKUP|VLLM_DFLASH2_LOOKUP\w*|VISION_OFFLOAD|VLLM_VISION_CPU_OFFLOAD)\b")
+LOOKUP_KNOBS = ("LOOKUP", *(var for var, *_ in knobs.LOOKUP_PARAMS))  # offered again (issue #18)
+LOOKUP_LINE = re.compile(r"\b(LOOKUP|VLLM_DFLASH2_LOOKUP(_NMIN|_NMAX|_NSTRONG|_AGREE)?)\b")
 BEFORE = json.loads(FIXTURE.read_text())
 ACTIONS = ("--dry-run", "explain")
 DRAFT_LINES = re.compile(r"build_draft_vocab|VLLM_MTP_DRAFT_VOCAB|^(note: )?MTP_DRAFT_VOCAB|^DRAFT_IDS |^MTP draft head ",
@@ -101,7 +108,7 @@ def test_the_fixture_is_the_helpers_configurations():
                          ids=[f"{m}-{'-'.join(f'{k}={v}' for k, v in e.items()) or 'default'}" for m, e in CONFIGS])
 def test_rendering_is_unchanged(mode, env, before):
     after = render(mode, env)
-    stubs_set = {k: v for k, v in env.items() if STUBS.fullmatch(k)}
+    stubs_set = {k: v for k, v in env.items() if STUBS.fullmatch(k) and k not in LOOKUP_KNOBS}
     if stubs_set:  # a removed knob is now an unknown variable: ignored
         assert {a: after[a] for a in ACTIONS} == {a: render(mode, {k: v for k, v in env.items() if k not in stubs_set})[a]
                                                  for a in ACTIONS}
@@ -111,11 +118,14 @@ def test_rendering_is_unchanged(mode, env, before):
         dropped = 0
         draft_old: list[str] = []
         draft_new: list[str] = []
+        lookup_new: list[str] = []
         for stream in ("stdout", "stderr"):
             old_text, n = without_stubs(old[stream])
             dropped += n
-            assert not STUBS.search(new[stream]), f"{action} {stream} still names a removed stub"
-            new_text = new[stream]
+            new_lines = new[stream].splitlines(keepends=True)
+            lookup_new += [line.rstrip("\n") for line in new_lines if LOOKUP_LINE.search(line)]
+            new_text = "".join(line for line in new_lines if not LOOKUP_LINE.search(line))
+            assert not STUBS.search(new_text), f"{action} {stream} still names a removed stub"
             old_text = old_text.replace(OLD_EXTRA_ARGS_DOC, knobs.BY_NAME["EXTRA_ARGS"].doc)
             if action == "explain" and stream == "stdout" and new["rc"] == 0:
                 new_text, cut = new_text.split(NOT_CHECKED)
@@ -133,10 +143,28 @@ def test_rendering_is_unchanged(mode, env, before):
         assert (dropped > 0) == printed_a_stub(mode, env, action, old["rc"]), (action, "stub filter misfired")
         if old["rc"] == new["rc"] == 0:
             assert_draft_lines_changed_as_intended(mode, env, action, draft_old, draft_new)
+        assert_lookup_lines_as_intended(mode, env, action, new["rc"], lookup_new)
         if refusal:  # a false OK is now refused, with the reason
             assert old["rc"] == 0 and new["rc"] == 2 and refusal in new["stderr"] and not new["stdout"], action
         elif old["rc"] != new["rc"]:  # only the refusal of a stub's own value may go
             assert old["rc"] == 2 and new["rc"] == 0 and stubs_set and not without_stubs(old["stderr"])[0], action
+
+
+def assert_lookup_lines_as_intended(mode: str, env: dict[str, str], action: str, rc: int, lines: list[str]) -> None:
+    if rc != 0:
+        nmin_refused = "is above VLLM_DFLASH2_LOOKUP_NMAX" in "".join(lines)
+        assert nmin_refused == ("VLLM_DFLASH2_LOOKUP_NMIN" in env) and len(lines) == nmin_refused, lines
+    elif mode == "batch":
+        assert lines == [], action
+    elif action == "explain":
+        assert [line.split()[0] for line in lines] == list(LOOKUP_KNOBS), lines
+    elif env.get("SPEC") != "dflash2":
+        assert lines == [], lines
+    elif env.get("LOOKUP") == "0":
+        assert lines == ["export VLLM_DFLASH2_LOOKUP=0"], lines
+    else:
+        defaults = [f"export {var}={default}" for var, _, default, _ in knobs.LOOKUP_PARAMS]
+        assert lines == ["export VLLM_DFLASH2_LOOKUP=1", *defaults], lines
 
 
 def assert_draft_lines_changed_as_intended(mode: str, env: dict[str, str], action: str, old: list[str],

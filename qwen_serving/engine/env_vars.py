@@ -25,6 +25,17 @@ def text(raw: str) -> str:
     return raw
 
 
+def count(raw: str) -> int:
+    """A whole number >= 1 (a length, a number of tokens)."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("not an integer") from None
+    if value < 1:
+        raise ValueError("must be >= 1")
+    return value
+
+
 def one_of(*choices: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         if raw not in choices:
@@ -69,6 +80,17 @@ DECLARED = (
     EnvVar("VLLM_V2_CUDAGRAPH_MEM_MIB", "0", text, "str",
            "hybrid-kv-groups-v2-cudagraph.patch: MiB the V2 model runner reserves for its CUDA graphs (it "
            "does not profile them; 0 lets them land on top of --gpu-memory-utilization)"),
+    EnvVar("VLLM_DFLASH2_LOOKUP", "0", flag, "bool",
+           "dflash2-lookup.patch: fuse the continuation of the request's own history into DFlash2's drafts "
+           "(engine.spec_dflash2_lookup); 0 keeps the drafter's block"),
+    EnvVar("VLLM_DFLASH2_LOOKUP_NMIN", "6", count, "int",
+           "dflash2-lookup.patch: shortest suffix of the history the lookup may match"),
+    EnvVar("VLLM_DFLASH2_LOOKUP_NMAX", "12", count, "int",
+           "dflash2-lookup.patch: longest suffix the lookup tries (<= 64)"),
+    EnvVar("VLLM_DFLASH2_LOOKUP_NSTRONG", "8", count, "int",
+           "dflash2-lookup.patch: a match this long replaces the drafter's tokens on its own"),
+    EnvVar("VLLM_DFLASH2_LOOKUP_AGREE", "2", count, "int",
+           "dflash2-lookup.patch: a shorter match is taken only where the drafter's first AGREE tokens equal it"),
 )
 BY_NAME = {var.name: var for var in DECLARED}
 

@@ -1,0 +1,137 @@
+"""Drafting from the context on DFlash2 (`LOOKUP=1`): the lookup's continuation fused with the drafter's block.
+
+patches/dflash2-lookup.patch builds a `ContextLookup` beside the V2 model runner's request states when the
+speculator is DFlash2's and VLLM_DFLASH2_LOOKUP=1, and calls `fuse` right after each `propose`, before the drafts
+are stored for the next verify step. `fuse` runs kernels/lookup over every request's own token history (the
+runner's RequestState.all_token_ids, `total_len` tokens long: the step's accepted tokens and bonus included),
+one program per request, and merges what it found with the drafter's block:
+- a match of at least `nstrong` tokens is taken alone: its continuation replaces the drafter's tokens;
+- a shorter one only where the drafter proposed the same first `agree` tokens: those stay the drafter's (the same
+  tokens, with the drafter's own proposal), the lookup fills the positions after them;
+- positions past the continuation's end, requests with no match and requests still prefilling (nothing sampled
+  this step) keep the drafter's tokens and proposals untouched.
+
+The verify stays exact. Every position the lookup filled carries a point-mass proposal (draft logits 0 on the token,
+-inf elsewhere), which vLLM's rejection rule accepts with probability p(x) and whose residual is p without x
+(tests/test_spec_rejection_lookup.py). Whether position j is filled depends only on the history and the drafts
+before j, never on the token drafted at j or later: that is why the agreed positions keep the drafter's proposal
+(a point mass reported for a token that was sampled from q would make the proposal depend on its own sample).
+With greedy draft sampling the speculator keeps no draft logits and the rejection rule already treats every draft
+as a point mass; only the tokens change then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qwen_serving.engine.kernels.lookup import MAX_NMAX, LookupDraft, lookup_draft
+
+ENABLE_ENV = "VLLM_DFLASH2_LOOKUP"
+PARAM_ENVS = {"nmin": "VLLM_DFLASH2_LOOKUP_NMIN", "nmax": "VLLM_DFLASH2_LOOKUP_NMAX",
+              "nstrong": "VLLM_DFLASH2_LOOKUP_NSTRONG", "agree": "VLLM_DFLASH2_LOOKUP_AGREE"}
+SPECULATOR = "DFlash2Speculator"  # the V2 runner's DFlash2 speculator class (its draft-logits cache is handled here)
+
+
+@dataclass(frozen=True)
+class LookupParams:
+    nmin: int  # shortest suffix that may match
+    nmax: int  # longest suffix tried (the kernel stops at the first match this long)
+    nstrong: int  # a match this long is taken alone
+    agree: int  # a shorter match needs the drafter's first `agree` tokens to equal its own
+
+    def check(self, num_draft: int) -> None:
+        if not 1 <= self.nmin <= self.nmax <= MAX_NMAX:
+            raise ValueError(f"{PARAM_ENVS['nmin']}={self.nmin} and {PARAM_ENVS['nmax']}={self.nmax}: need "
+                             f"1 <= NMIN <= NMAX <= {MAX_NMAX}")
+        if self.nstrong < 1:
+            raise ValueError(f"{PARAM_ENVS['nstrong']}={self.nstrong}: need >= 1")
+        if not 1 <= self.agree <= num_draft:
+            raise ValueError(f"{PARAM_ENVS['agree']}={self.agree}: need 1..{num_draft} (the drafts per step)")
+
+    @classmethod
+    def from_env(cls) -> LookupParams:
+        import vllm.envs as envs
+
+        return cls(nmin=envs.VLLM_DFLASH2_LOOKUP_NMIN, nmax=envs.VLLM_DFLASH2_LOOKUP_NMAX,
+                   nstrong=envs.VLLM_DFLASH2_LOOKUP_NSTRONG, agree=envs.VLLM_DFLASH2_LOOKUP_AGREE)
+
+
+def lookup_positions(drafted: torch.Tensor, found: LookupDraft, params: LookupParams,
+                     decoding: torch.Tensor) -> torch.Tensor:
+    """[batch, num_draft] bool: the positions the lookup fills (the merge rule in the module docstring).
+
+    drafted: [batch, num_draft] the drafter's tokens; found: the lookup over the same batch; decoding: [batch]
+    bool, False for a request still prefilling."""
+    num_draft = drafted.shape[1]
+    agree = min(params.agree, num_draft)
+    matched = found.match_len > 0
+    strong = found.match_len >= params.nstrong
+    agreed = (found.num_valid >= agree) & (drafted[:, :agree] == found.tokens[:, :agree]).all(dim=1)
+    first = torch.where(strong, 0, agree)  # a weak match leaves the agreed positions to the drafter
+    taken = matched & (strong | agreed) & decoding
+    positions = torch.arange(num_draft, device=drafted.device)
+    return taken[:, None] & (positions >= first[:, None]) & (positions < found.num_valid[:, None])
+
+
+def write_point_masses(draft_logits: torch.Tensor, cached_ids: torch.Tensor, slots: torch.Tensor,
+                       filled: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Turn the cached proposal rows of the filled positions into point masses on the lookup's tokens.
+
+    DFlash2 caches its proposal per (request state, step) as draft_logits [max_reqs, num_draft, vocab], finite only
+    at the K candidate ids it records in cached_ids [max_reqs, num_draft, K] (its cache kernel resets exactly those
+    to -inf next step). A filled row becomes -inf at its candidates and 0 at the token, and records the token K
+    times, so the next step's reset clears it as well. No host synchronisation: every row is written, unfilled
+    rows with their own values."""
+    num_draft = filled.shape[1]
+    rows = slots.long()[:, None].expand(-1, num_draft)
+    steps = torch.arange(num_draft, device=slots.device)[None, :].expand_as(rows)
+    old_ids = cached_ids[rows, steps]  # [batch, num_draft, K]
+    mask = filled[..., None].expand_as(old_ids)
+    draft_logits[rows[..., None], steps[..., None], old_ids] = torch.where(
+        mask, float("-inf"), draft_logits[rows[..., None], steps[..., None], old_ids])
+    draft_logits[rows, steps, tokens] = torch.where(filled, 0.0, draft_logits[rows, steps, tokens])
+    cached_ids[rows, steps] = torch.where(mask, tokens[..., None], old_ids)
+
+
+class ContextLookup:
+    """The hook: built once beside the runner's request states, `fuse` called once per drafting step."""
+
+    def __init__(self, speculator, history: torch.Tensor, lengths: torch.Tensor, params: LookupParams):
+        self.num_draft = speculator.num_speculative_steps
+        params.check(self.num_draft)
+        self.speculator = speculator
+        self.history = history  # [max_num_reqs, max_model_len] int32, rows by request state
+        self.lengths = lengths  # [max_num_reqs] tokens held per row
+        self.params = params
+        max_reqs, device = speculator.max_num_reqs, history.device
+        self.found = LookupDraft(torch.zeros(max_reqs, self.num_draft, dtype=torch.int64, device=device),
+                                 torch.zeros(max_reqs, dtype=torch.int32, device=device),
+                                 torch.zeros(max_reqs, dtype=torch.int32, device=device))
+
+    def fuse(self, draft_tokens: torch.Tensor, idx_mapping: torch.Tensor, num_sampled: torch.Tensor) -> torch.Tensor:
+        """Merge the lookup into draft_tokens [num_reqs, num_draft] (in place, and returned); idx_mapping: each batch
+        entry's request state; num_sampled: tokens each request sampled this step (0 while it prefills)."""
+        batch = draft_tokens.shape[0]
+        if batch == 0:
+            return draft_tokens
+        found = LookupDraft(*(t[:batch] for t in self.found))
+        lookup_draft(self.history, self.lengths, self.num_draft, self.params.nmin, self.params.nmax,
+                     slots=idx_mapping, out=found)
+        filled = lookup_positions(draft_tokens, found, self.params, num_sampled > 0)
+        speculator = self.speculator
+        if speculator.draft_logits is not None:
+            write_point_masses(speculator.draft_logits, speculator._cached_candidate_ids, idx_mapping, filled,
+                               found.tokens)
+        draft_tokens.copy_(torch.where(filled, found.tokens, draft_tokens))
+        return draft_tokens
+
+
+def attach(speculator, req_states) -> ContextLookup | None:
+    """The runner's hook, or None: not DFlash2's speculator (or no speculator), or VLLM_DFLASH2_LOOKUP=0."""
+    import vllm.envs as envs
+
+    if speculator is None or type(speculator).__name__ != SPECULATOR or not envs.VLLM_DFLASH2_LOOKUP:
+        return None
+    return ContextLookup(speculator, req_states.all_token_ids.gpu, req_states.total_len.gpu, LookupParams.from_env())

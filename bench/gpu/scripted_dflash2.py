@@ -56,8 +56,9 @@ def log(msg: str) -> None:
 
 def config(drafter: Path, prefix_cache: bool) -> fb.BenchConfig:
     """Stock vLLM through the plan: SPEC=dflash2 with the scripted drafter, 4 seats on a fixed 8 GB pool."""
+    # LOOKUP=0: the check is that acceptance is the drafter's own walk (stock reads no plan export anyway)
     knobs = {**fb.STOCK, **fb._pool(8, 4), "SPEC": "dflash2", "DRAFT": str(drafter), "DFLASH_TOKENS": str(DRAFTS),
-             "PREFIX_CACHE": "1" if prefix_cache else "0"}
+             "PREFIX_CACHE": "1" if prefix_cache else "0", "LOOKUP": "0"}
     return fb.BenchConfig("scripted-stock-dflash2", False, knobs, runs=(), max_len=fb.SCRIPTED_MAX_LEN,
                           extra_args=fb.RAW_LOGITS, what="stock vLLM 0.28.0, DFlash2 (scripted drafter), V2 runner")
 

@@ -73,9 +73,11 @@ def test_sigkill_leaves_the_before_or_the_after_state(tmp_path_factory, tmp_path
         model = tmp_path / f"trial{trial}" / "tiny"
         shutil.copytree(source, model)
         proc = _start(step, model)
-        # anchor on progress line k (cycling through the phases), then kill a random moment before
-        # the next line would come, so kills land in every phase whatever the machine's load
-        anchor = (trial // len(STEPS)) % len(times)
+        # anchor on progress line k, spread from the first line to the last ("done", after the commit) over
+        # the trials, then kill a random moment before the next line would come, so kills land in every phase
+        # whatever the machine's load, the first anchors before anything is written and the last after the swap
+        group, groups = trial // len(STEPS), TRIALS // len(STEPS)
+        anchor = round(group * (len(times) - 1) / (groups - 1))
         for _ in range(anchor + 1):
             proc.stdout.readline()
         gap = times[anchor + 1] - times[anchor] if anchor + 1 < len(times) else 0.01

@@ -7,7 +7,8 @@
   (vllm.vllm_flash_attn.flash_attn_varlen_func, fa_version=2 = the RTX 3090's path, 3 = the H200's default)
   over context lengths, plus the bandwidth our kernel reaches on its KV read.
 - topk_topp (5 rows x 248,320, k=20, p=0.95 -> probabilities) vs vLLM's apply_top_k_top_p + softmax, and
-  against one read of the logits.
+  against one read of the logits; and the multi-block softmax alone vs torch's (rows 1, 5, 8 x 248,320: the
+  verify step's target rows, where torch gives each row one block), measured before anything calls it.
 - lookup (64k-token histories, batch 8) vs a torch unfold search.
 - prefill_int8_attn (causal, 24/4 heads, head_dim 256) vs FlashAttention 2 and 3 from 4k tokens up; our time is
   the best of a few tile shapes (every shape's time is in the JSON; m64_n64_w4 is the kernel's default).
@@ -164,6 +165,27 @@ def bench_topk_topp() -> dict:
     say(f"topk_topp: ours {result['ours_us']:.1f} us = {result['ours_over_read']:.1f}x one logits read "
         f"({result['logits_read_us']:.1f} us); vLLM {result.get('vllm_us', float('nan')):.1f} us")
     return result
+
+
+def softmax_point(rows: int) -> dict:
+    import torch
+
+    from qwen_serving.engine.kernels.topk_topp import softmax
+
+    n = copies_for(rows * VOCAB * 4)
+    logits = [torch.randn(rows, VOCAB, device="cuda") * 3 for _ in range(n)]
+    probs = torch.empty(rows, VOCAB, device="cuda")
+    row = {"rows": rows, "vocab": VOCAB,
+           "ours_us": median_us(lambda i: softmax(logits[i], out=probs), n),
+           "torch_us": median_us(lambda i: torch.softmax(logits[i], dim=-1, out=probs), n),
+           "max_abs_diff": float((softmax(logits[0]) - logits[0].softmax(-1)).abs().max())}
+    row["speedup_vs_torch"] = row["torch_us"] / row["ours_us"]
+    say(f"softmax {rows} x {VOCAB}: ours {row['ours_us']:.1f} us, torch {row['torch_us']:.1f} us")
+    return row
+
+
+def bench_softmax() -> list[dict]:
+    return [softmax_point(rows) for rows in (1, 5, 8)]
 
 
 # ---- lookup ---------------------------------------------------------------------------------------------------
@@ -344,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = {
         "spec_attn": lambda: bench_spec_attn([(c, 5) for c in contexts] + [(16384, 16)], report["hbm_bandwidth_gbs"]),
         "topk_topp": bench_topk_topp,
+        "softmax": bench_softmax,
         "lookup": bench_lookup,
         "prefill_int8_attn": lambda: bench_prefill(prefill_lengths),
     }

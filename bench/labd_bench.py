@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import secrets
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,20 +168,13 @@ def markdown(report: dict) -> str:
 
 def add_common_args(p: argparse.ArgumentParser, ctx_default: int) -> None:
     """The flags labd_bench and labd_soak share."""
-    p.add_argument("--url", default="http://127.0.0.1:18020")
-    p.add_argument("--api-key", help="default: $VLLM_API_KEY, else the first line of api_key.txt")
-    vb.add_source_args(p)
+    vb.add_run_args(p)
     p.add_argument("--ctx", type=int, default=ctx_default, help="context length: prompt + answer (default %(default)s)")
     p.add_argument("--max-tokens", type=int, help="cap every task's answer budget (default: each task's own)")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
-    p.add_argument("--force", action="store_true", help="overwrite an existing report of this tag")
 
 
 def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace, prefix: str) -> None:
-    vb.check_source_args(p, args)
-    args.tag = args.tag or f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if "/" in args.tag or args.tag.startswith("."):
-        p.error(f"tag {args.tag!r}: a plain file name please")
+    vb.check_run_args(p, args, prefix)
     if args.ctx < 256 or (args.max_tokens is not None and args.max_tokens < 1):
         p.error("--ctx must be >= 256 and --max-tokens >= 1")
 

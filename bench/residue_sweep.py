@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import secrets
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,21 +112,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python bench/residue_sweep.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("tag", nargs="?", help="report name: OUT/TAG-residue.json (default: residue-<date>-<time>)")
-    p.add_argument("--url", default="http://127.0.0.1:18020")
-    p.add_argument("--api-key", help="default: $VLLM_API_KEY, else the first line of api_key.txt")
-    vb.add_source_args(p)
+    vb.add_run_args(p)
     p.add_argument("--base", type=int, help=f"a multiple of {MODULUS}: L = base + r (default: the smallest that fits)")
     p.add_argument("--residues", default=f"0-{MODULUS - 1}", help="which r (default %(default)s)")
     p.add_argument("--doc-tokens", type=int, default=256, help="scripted document length (default %(default)s)")
     p.add_argument("--doc-chars", type=int, default=1200, help="text document length (default %(default)s)")
     p.add_argument("--drafts", type=int, help="k, to name the suspect residue 117 + k (default: the server's config)")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
-    p.add_argument("--force", action="store_true", help="overwrite an existing report of this tag")
     args = p.parse_args(argv)
-    vb.check_source_args(p, args)
-    args.tag = args.tag or f"residue-{time.strftime('%Y%m%d-%H%M%S')}"
-    if "/" in args.tag or args.tag.startswith("."):
-        p.error(f"tag {args.tag!r}: a plain file name please")
+    vb.check_run_args(p, args, "residue")
     try:
         args.residues = parse_residues(args.residues)
     except ValueError as err:

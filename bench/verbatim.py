@@ -360,6 +360,23 @@ class ScriptedChain:
         return self.design.walk(last_token, length)[1:]
 
 
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The server, document and report flags every labd tool shares (what open_run reads)."""
+    p.add_argument("--url", default="http://127.0.0.1:18020")
+    p.add_argument("--api-key", help="default: $VLLM_API_KEY, else the first line of api_key.txt")
+    add_source_args(p)
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--force", action="store_true", help="overwrite an existing report of this tag")
+
+
+def check_run_args(p: argparse.ArgumentParser, args: argparse.Namespace, prefix: str) -> None:
+    """The document checks, and the report's tag: a plain file name, default PREFIX-<date>-<time>."""
+    check_source_args(p, args)
+    args.tag = args.tag or f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if "/" in args.tag or args.tag.startswith("."):
+        p.error(f"tag {args.tag!r}: a plain file name please")
+
+
 def add_source_args(p: argparse.ArgumentParser) -> None:
     """The document flags every labd tool shares."""
     p.add_argument("--scripted", type=Path, metavar="MODEL_DIR",

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -847,8 +848,8 @@ def prepare_copy(args: argparse.Namespace, env: Mapping[str, str], out: Path,
     done: dict = {"steps_s": {}}
     if not (args.prepared_ckpt / "config.json").exists():
         staging = args.prepared_ckpt.with_name(f".{args.prepared_ckpt.name}.linking")
-        subprocess.run(["rm", "-rf", str(staging)], check=True)
-        subprocess.run(["cp", "-al", str(args.ckpt), str(staging)], check=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(args.ckpt, staging, copy_function=os.link)
         staging.rename(args.prepared_ckpt)
     ids = args.prepared_ckpt / scripted.DRAFT_IDS_FILE
     commands = [(step, ["prepare/" + f"{step}.py", str(args.prepared_ckpt)]) for step in PREPARE_STEPS]

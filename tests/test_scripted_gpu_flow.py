@@ -468,6 +468,13 @@ def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, 
                       "(default_probabilistic_drafts)"]
     wrong = checks[failed[1]]
     assert wrong["difference"][2] == pytest.approx(0.05, abs=1e-3) and wrong["within"] == sm.ACCEPTANCE_WITHIN
+    # --rejudge reads the same verdicts back from the files beside the report (the rows as the child writes them)
+    for name, rows in rec.rows.items():
+        (tmp_path / f"{name}-chisq-rows.json").write_text(json.dumps([[list(row.items()) for row in seq] for seq in rows]))
+    assert sm.rejudge(tmp_path) == 1
+    again = json.loads((tmp_path / sm.REPORT).read_text())
+    assert sorted(name for name, check in again["checks"].items() if not check["passed"]) == failed
+    assert again["checks"].keys() == checks.keys() and again["notes"][-1].endswith("changed: none")
     # reference x2 (each stack's files); chain x4; identity, logits, greedy walk x2 (each against its own stack's
     # plain server); sampled x2; chi-square x2; prefix x2
     assert len(checks) == 2 + 4 + 2 * 3 + 2 + 2 + 2
@@ -497,3 +504,16 @@ def test_off_chain_answers_and_logit_drift_fail():
     drift = dataclasses.replace(good, top=[{t: 2.0 + 0.07, 7: -12.0} for t in chain])  # 4.5 bf16 steps at 2
     result = sm.logit_agreement([good], [drift])
     assert not result["passed"] and result["over_count"] == 6 and result["max_diff_bf16_ulps"] == pytest.approx(4.48)
+
+
+def test_logit_agreement_counts_steps_at_the_rows_scale():
+    # a small logit beside a top of 2.0 moves by 2.0's bf16 steps (0.0156): 0.012 is 6 steps at 0.4's own spacing
+    # but under one at the row's; a floor logit at -11.8 is rounded 0.0625 apart
+    chain = [11, 12, 13]
+    plain = sm.smoke_lib.GreedyTrace(chain, [2.0] * 3, [{t: 2.0, 5: 0.4, 7: -11.8125} for t in chain])
+    verify = dataclasses.replace(plain, top=[{t: 2.0, 5: 0.412, 7: -11.75} for t in chain])
+    result = sm.logit_agreement([plain], [verify])
+    assert result["passed"] and result["logits_compared"] == 9
+    assert result["max_diff_bf16_ulps"] == pytest.approx(1.0)  # the floor logit: one step at its own value
+    moved = dataclasses.replace(plain, top=[{t: 2.0, 5: 0.47, 7: -11.8125} for t in chain])  # 4.5 steps at 2.0
+    assert sm.logit_agreement([plain], [moved])["over_count"] == 3

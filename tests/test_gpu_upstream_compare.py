@@ -35,7 +35,9 @@ def test_a_test_only_the_patched_tree_fails_is_a_regression(tmp_path):
     out = tmp_path / "r.json"
     done = subprocess.run([sys.executable, str(REPO / "tests" / "gpu" / "upstream_compare.py"), str(stock),
                            str(patched), "--out", str(out)], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1 and json.loads(out.read_text())["regressions"] == [key + "b"]
+    report = json.loads(out.read_text())
+    assert done.returncode == 1 and report["regressions"] == [key + "b"]
+    assert report["date"] and "gpu" in report["machine"] and "sampler-small-topk.patch" in report["patches"]
 
 
 def test_failures_both_trees_share_do_not_fail_the_run_but_nothing_run_does(tmp_path):

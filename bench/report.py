@@ -325,6 +325,47 @@ def save_figure(fig, path: Path) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
+SWEEP_STACKS = {"patched": "ours (the single-user plan)", "stock": "stock vLLM 0.28.0"}
+
+
+def sweep_markdown(rows: list[dict]) -> str:
+    """The k sweep of a scripted run (bench/gpu/scripted_mtp.py's `sweep`) as a markdown table, one row per server,
+    with its decode rate against its own stack's server without speculation and against stock's."""
+    plain = {r["stack"]: r["decode_tok_s"] for r in rows if r["k"] == 0}
+
+    def times(rate: float | None, base: float | None) -> str:
+        return f"{rate / base:.2f}x" if rate and base else "-"
+
+    lines = ["| stack | k | tokens per step | ms per step | decode tok/s | x its plain decode | x stock's plain decode |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['stack']} | {r['k']} | {r['tokens_per_step']:.2f} | {r['ms_per_step']:.2f} | "
+              f"{'-' if r['decode_tok_s'] is None else format(r['decode_tok_s'], '.1f')} | "
+              f"{times(r['decode_tok_s'], plain.get(r['stack']))} | {times(r['decode_tok_s'], plain.get('stock'))} |"
+              for r in rows]
+    return "\n".join(lines)
+
+
+def plot_sweep(rows: list[dict], title: str, path: Path) -> bool:
+    """Decode tok/s, tokens per step and ms per step against k, one line per stack. False without matplotlib."""
+    plt = _matplotlib()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for which in sorted({r["stack"] for r in rows}):
+        mine = sorted((r for r in rows if r["stack"] == which), key=lambda r: r["k"])
+        ks = [r["k"] for r in mine]
+        for ax, key in zip(axes, ("decode_tok_s", "tokens_per_step", "ms_per_step"), strict=True):
+            ax.plot(ks, [r[key] for r in mine], "o-", label=SWEEP_STACKS.get(which, which))
+            ax.set_xlabel("k (drafts per step)")
+            ax.set_ylabel(key.replace("_", " "))
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+    return True
+
+
 def plot_report(report: dict, path: Path) -> bool:
     """Decode rate and tokens per step per cohort (and prefill rate when measured). False without matplotlib."""
     plt = _matplotlib()

@@ -158,3 +158,14 @@ def test_fixture_matches_what_vllm_bench_serve_writes(tmp_path):
     for key in ("mean_tpot_ms", "mean_ttft_ms", "p99_itl_ms", "output_throughput", "spec_decode_acceptance_length",
                 "spec_decode_per_position_acceptance_rates", "total_output_tokens"):
         assert fresh[key] == pytest.approx(saved[key]), key
+
+
+def test_sweep_markdown_sets_each_rate_against_its_own_and_stocks_plain_decode():
+    rows = [{"stack": "patched", "k": 0, "tokens_per_step": 1.0, "ms_per_step": 8.0, "decode_tok_s": 125.0},
+            {"stack": "patched", "k": 4, "tokens_per_step": 3.0, "ms_per_step": 15.0, "decode_tok_s": 200.0},
+            {"stack": "stock", "k": 0, "tokens_per_step": 1.0, "ms_per_step": 10.0, "decode_tok_s": 100.0},
+            {"stack": "stock", "k": 2, "tokens_per_step": 2.0, "ms_per_step": 13.0, "decode_tok_s": None}]
+    lines = br.sweep_markdown(rows).splitlines()
+    assert lines[3] == "| patched | 4 | 3.00 | 15.00 | 200.0 | 1.60x | 2.00x |"
+    assert lines[4] == "| stock | 0 | 1.00 | 10.00 | 100.0 | 1.00x | 1.00x |"
+    assert lines[5].endswith("| - | - |") and len(lines) == 6  # a server without a rate has no speed-up

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import http.server
 import json
 import random
@@ -475,6 +476,28 @@ def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, 
     again = json.loads((tmp_path / sm.REPORT).read_text())
     assert sorted(name for name, check in again["checks"].items() if not check["passed"]) == failed
     assert again["checks"].keys() == checks.keys() and again["notes"][-1].endswith("changed: none")
+    # --from-run: a sweep-only run takes this first wave (its report, the answers gzipped in the folder named like
+    # it) and judges its checks again, all but the chi-square, whose rows stay with the earlier run
+    kept = tmp_path / "results" / "scripted-h200-mtp-run9.json"
+    (kept.with_suffix("")).mkdir(parents=True)
+    kept.write_text(json.dumps({**again, "checkpoint": {**again["checkpoint"], "mtp_agree": 0.76, "draft_coverage": 0.9}}))
+    for name in fakes:
+        answers = (tmp_path / f"{name}-greedy.json").read_bytes()
+        (kept.with_suffix("") / f"{name}-greedy.json.gz").write_bytes(gzip.compress(answers))
+    later = sm.start_record(tmp_path / "later" / sm.REPORT, args, {"PYTHONPATH": str(REPO)})
+    later.data["checkpoint"].update(mtp_agree=0.76, draft_coverage=0.9)
+    later.data["prediction"] = later.data["prediction_prepared"] = prediction
+    sm.take_first_wave(later, kept)
+    assert later.data["from_run"]["servers"] == list(fakes) and set(later.traces) == set(fakes)
+    assert later.data["measurements"]["scripted-stock"]["from_run"].startswith("scripted-h200-mtp-run9.json")
+    sm.finish(later, design, greedy)
+    chisq = {name for name in checks if "chi-square" in name}
+    assert later.data["checks"].keys() == checks.keys() - chisq
+    assert {r["from_run"] for r in sm.sweep_table(later.data["measurements"])} == {
+        later.data["measurements"]["scripted-stock"]["from_run"]}
+    later.data["checkpoint"]["draft_coverage"] = 0.5
+    with pytest.raises(sm.CheckpointError, match="draft_coverage"):
+        sm.take_first_wave(later, kept)
     # reference x2 (each stack's files); chain x4; identity, logits, greedy walk x2 (each against its own stack's
     # plain server); sampled x2; chi-square x2; prefix x2
     assert len(checks) == 2 + 4 + 2 * 3 + 2 + 2 + 2

@@ -24,7 +24,9 @@ Stock serves the checkpoint as synth writes it (bf16 MTP and lm_head); the patch
     python bench/gpu/scripted_mtp.py OUT --site SITE --patched-site PATCHED [--ckpt DIR] [--prepared-ckpt DIR]
     python bench/gpu/scripted_mtp.py OUT --only checkpoint|prepare   # the checkpoint (and its prepared copy) alone
     python bench/gpu/scripted_mtp.py --predict FILE --ckpt DIR [--device cuda]   # the prediction alone (torch)
+    python bench/gpu/scripted_mtp.py OUT ... --from-run bench/results/scripted-h200-mtp-run3.json   # the sweep only
     python bench/gpu/scripted_mtp.py OUT --rejudge   # the checks again from a run's files (CPU)
+    python bench/gpu/scripted_mtp.py --plot-only REPORT   # the sweep's PNG beside REPORT, its table on stdout
 
 OUT/scripted-h200-mtp.json is rewritten after every phase; each phase has its own time limit and the whole run
 its budget (--budget-s), after which what is left is skipped and recorded as such.
@@ -33,6 +35,7 @@ its budget (--budget-s), after which what is left is skipped and recorded as suc
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import shutil
@@ -809,6 +812,30 @@ def chisq_reference(rec: Record, out: Path, env: Mapping[str, str], args: argpar
         rec.phase(f"{name}: chisq rows", time.monotonic() - t0)
 
 
+def take_first_wave(rec: Record, report: Path) -> None:
+    """--from-run: the first wave's measurements and greedy answers from an earlier run on the same checkpoint, so
+    that a visit can give all its time to the sweep: the report, and the answers in the folder named like it
+    (REPORT's stem, `<server>-greedy.json.gz`, as bench/results keeps them). Their checks are judged again here
+    against this run's predictions (the chi-square, whose rows stay with the earlier run, is not)."""
+    earlier = json.loads(report.read_text())
+    for dial in ("mtp_agree", "draft_coverage"):
+        if earlier["checkpoint"].get(dial) != rec.data["checkpoint"].get(dial):
+            raise CheckpointError(f"--from-run {report}: its checkpoint has {dial} {earlier['checkpoint'].get(dial)}, "
+                                  f"this one {rec.data['checkpoint'].get(dial)}")
+    folder, taken = report.with_suffix(""), []
+    for name in fb.SCRIPTED_CONFIGS:
+        answers = folder / f"{name}-greedy.json.gz"
+        if name not in earlier["measurements"] or not answers.is_file():
+            continue
+        rec.data["measurements"][name] = {**earlier["measurements"][name], "from_run": f"{report.name} ({earlier['date']})"}
+        rec.traces[name] = [smoke_lib.GreedyTrace.from_record(r) for r in json.loads(gzip.decompress(answers.read_bytes()))]
+        taken.append(name)
+    if not taken:
+        raise CheckpointError(f"--from-run {report}: no first-wave server with its answers in {folder}")
+    rec.data["from_run"] = {"report": report.name, "date": earlier["date"], "gpu": earlier.get("gpu"), "servers": taken}
+    rec.save()
+
+
 class CheckpointError(RuntimeError):
     """The checkpoint or its prepared copy could not be made; the message says where to look."""
 
@@ -911,8 +938,16 @@ def run(args: argparse.Namespace) -> int:
                            "c1": len(prompts.c1), "max_tokens": MAX_TOKENS, "chisq": len(prompts.chisq),
                            "prefix_tokens": len(prompts.prefix)}
 
-    # 2. the first wave boots, and the prediction (the reference at full size) runs beside it
+    # 2. the first wave boots (or comes from --from-run), and the prediction (the reference at full size) runs beside it
     all_waves = waves(args, out)
+    if args.from_run:
+        try:
+            take_first_wave(rec, args.from_run)
+        except (CheckpointError, OSError, ValueError, KeyError) as err:
+            rec.data["errors"]["from_run"] = f"{type(err).__name__}: {err}"
+            rec.save()
+            return 1
+        all_waves = all_waves[1:]
     predictors = [Predictor(PREDICTIONS[which], served_checkpoint(args, which == "patched"), out)
                   for which in ("stock", "patched")]
     take_predictions(rec, predictors, args, env, out)  # the first starts now
@@ -924,7 +959,8 @@ def run(args: argparse.Namespace) -> int:
     boot_s = LIMITS["boot"]
     try:
         for index, servers in enumerate(all_waves):
-            if index:  # a sweep wave: only when its boot and its servers' measures fit what is left
+            first = index == 0 and not args.from_run  # the first wave (the sweep's come after it)
+            if not first:  # a sweep wave: only when its boot and its servers' measures fit what is left
                 need = boot_s + len(servers) * SWEEP_SERVER_S
                 if deadline - time.monotonic() < need:
                     rec.data["skipped"] += [f"{s.cfg.name}: not booted (run budget spent)" for s in servers]
@@ -937,21 +973,21 @@ def run(args: argparse.Namespace) -> int:
             rec.phase(f"boot wave {index}", boot_s)
             for s in servers:
                 if s.state == "up":
-                    measure_one(s, rec, prompts, sampling, left, out, sweep=index > 0)
+                    measure_one(s, rec, prompts, sampling, left, out, sweep=not first)
                 predictions()
                 finish(rec, design, prompts.greedy)
             # the tools only where the chi-square rows and the patched sweep still fit after them
-            sweep_need = boot_s + len(all_waves[1]) * SWEEP_SERVER_S if len(all_waves) > 1 else 0
-            sweep_need += len(rec.samples) * CHISQ_ROWS_S if index == 0 else 0
-            if index == 0 and deadline - time.monotonic() - sweep_need > LIMITS["quality"]:
+            sweep_need = boot_s + len(all_waves[1]) * SWEEP_SERVER_S if first and len(all_waves) > 1 else 0
+            sweep_need += len(rec.samples) * CHISQ_ROWS_S if first else 0
+            if first and deadline - time.monotonic() - sweep_need > LIMITS["quality"]:
                 wave_tools({s.cfg.name: s for s in servers}, rec, out, env, args.python, args.ckpt,
                            lambda limit, keep=sweep_need: max(0.0, min(limit, deadline - time.monotonic() - keep)))
-            elif index == 0:
+            elif first:
                 rec.data["skipped"].append("the issue #22 tools (budget kept for the sweep)")
             for s in servers:
                 s.stop()
                 rec.data["servers"][s.cfg.name]["log_tail"] = s.log_tail(40)
-            if index == 0:  # the GPU is free: the predictions' end, the reference before every chi-square token
+            if first:  # the GPU is free: the predictions' end, the reference before every chi-square token
                 predictions(wait_s=left(LIMITS["predict"]))
                 chisq_reference(rec, out, env, args, left)
                 finish(rec, design, prompts.greedy)
@@ -966,6 +1002,7 @@ def run(args: argparse.Namespace) -> int:
                 smoke_lib.trim_to_tail(s.log_path, 8 << 20)
     rec.data["sweep"] = sweep_table(rec.data["measurements"])
     finish(rec, design, prompts.greedy)
+    plot(rec.data, out / REPORT)
     rec.phase("total", time.monotonic() - t_start)
     failed = [name for name, c in rec.data["checks"].items() if not c["passed"]]
     log(f"checks: {len(rec.data['checks']) - len(failed)} passed, {len(failed)} failed" +
@@ -982,8 +1019,15 @@ def sweep_table(meas: Mapping[str, dict]) -> list[dict]:
             continue
         rows.append({"server": name, "stack": stack(name), "k": m.get("k", 0),
                      "tokens_per_step": c1["spec"]["tokens_per_step"], "ms_per_step": c1.get("ms_per_step"),
-                     "decode_tok_s": c1.get("server_decode_tok_s"), "client_decode_tok_s": c1.get("client_decode_tok_s")})
+                     "decode_tok_s": c1.get("server_decode_tok_s"), "client_decode_tok_s": c1.get("client_decode_tok_s"),
+                     **({"from_run": m["from_run"]} if "from_run" in m else {})})
     return sorted(rows, key=lambda r: (r["stack"], r["k"]))
+
+
+def plot(data: dict, report: Path) -> None:
+    """The sweep's PNG beside the report (none, with a warning, where matplotlib is missing: --plot-only later)."""
+    title = f"MTP k sweep, scripted model, {(data.get('gpu') or {}).get('name', '?')}, {data['date'][:10]}"
+    br.plot_sweep(data["sweep"], title, report.with_suffix(".png"))
 
 
 def default_sampling(ckpt: Path) -> dict:
@@ -1078,9 +1122,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--chisq-rows", type=Path, nargs=2, metavar=("SAMPLES", "FILE"),
                    help="only write the reference before every token of a chi-square run's SAMPLES to FILE")
     p.add_argument("--dry-run", action="store_true", help="print every server command, start nothing")
+    p.add_argument("--from-run", type=Path, metavar="REPORT",
+                   help="the first wave's measurements and answers from an earlier run's REPORT (bench/results keeps "
+                        "them beside it): boot the sweep only")
+    p.add_argument("--plot-only", type=Path, metavar="REPORT",
+                   help="only the sweep's PNG beside REPORT, and its markdown table on stdout")
     p.add_argument("--rejudge", action="store_true", help="judge OUT's finished run again from its files (CPU)")
     args = p.parse_args(argv)
-    child = args.predict is not None or args.chisq_rows is not None or args.only is not None or args.rejudge
+    child = (args.predict is not None or args.chisq_rows is not None or args.only is not None or args.rejudge
+             or args.plot_only is not None)
     if (args.only or args.rejudge) and args.out is None:
         p.error("--only and --rejudge need OUT")
     if not child and args.out is None:
@@ -1157,6 +1207,11 @@ def main(argv: list[str]) -> int:
         return make_only(args)
     if args.rejudge:
         return rejudge(args.out.resolve())
+    if args.plot_only:
+        data = json.loads(args.plot_only.read_text())
+        plot(data, args.plot_only)
+        print(br.sweep_markdown(data["sweep"]))
+        return 0
     if args.dry_run:
         for wave in waves(args, args.out.resolve()):
             for s in wave:

@@ -13,7 +13,8 @@
 #    while the patched servers' prepared copy is made beside it (scripted_mtp.py --only prepare); with
 #    QS_SCRIPTED_LAYERS_COMPILED=1 also its compiled answer (~3 min);
 # 2c. (QS_GO_WAIT_S > 0) a wait for /tmp/qs-go, sourced: the budget of step 3 or QS_STOP=1;
-# 3. bench/gpu/scripted_mtp.py (the first wave and the sweep) within $QS_SCRIPTED_BUDGET_S seconds (default: what
+# 3. bench/gpu/scripted_mtp.py (the first wave and the sweep; with QS_FROM_RUN=REPORT the sweep alone, the first
+#    wave's measures and answers taken from an earlier run's REPORT in bench/results) within $QS_SCRIPTED_BUDGET_S seconds (default: what
 #    is left of $QS_DEVICE_LEFT_S, 1,380 s = 30 device minutes less ~5 for staging and ~2 for packing, when this
 #    script started);
 # 4. the line `VISIT DONE`. tests/gpu/pack_scripted_visit.sh OUT packs whatever is there so far.
@@ -69,9 +70,10 @@ if [ "${QS_STOP:-0}" = 1 ]; then echo "VISIT DONE"; exit 0; fi
 [ -n "${prepare_pid:-}" ] && { wait "$prepare_pid"; log "prepared copy: $(tail -n 1 /tmp/scripted-prepare.log)"; }
 log "3. scripted run (log /tmp/scripted.log)"
 budget_s="${QS_SCRIPTED_BUDGET_S:-$(( ${QS_DEVICE_LEFT_S:-1380} - ($(date +%s) - VISIT_T0) ))}"
-budget=(--budget-s "$budget_s")
+run_args=(--budget-s "$budget_s")
+[ -n "${QS_FROM_RUN:-}" ] && run_args+=(--from-run "$QS_FROM_RUN")
 log "scripted run budget: $budget_s s"
-python3 bench/gpu/scripted_mtp.py /tmp/scripted-out --site "$SITE" --patched-site "$PATCHED_SITE" "${budget[@]}" \
+python3 bench/gpu/scripted_mtp.py /tmp/scripted-out --site "$SITE" --patched-site "$PATCHED_SITE" "${run_args[@]}" \
   > /tmp/scripted.log 2>&1
 log "scripted exit $?"
 wait

@@ -3,7 +3,7 @@
 # scripted-h200-mtp.json; scripted.tgz (the run's JSON: greedy answers, chi-square samples, prediction, synth and
 # prediction logs, the run log); logs.tgz (each server log's last 2 MB); profiles.tgz (the gzipped traces of the
 # profiled C1 windows); tests.tgz (the GPU tests' results and logs, the visit logs);
-# jit-cache.tgz (the kernel caches, when under 16 MB).
+# jit-cache.tgz.00, .01 (the kernel caches, when two 15 MB parts hold them: carry them as .whl/ next time).
 set -uo pipefail
 OUT="${1:?usage: pack_scripted_visit.sh OUT}"
 cd /tmp || exit 1
@@ -19,8 +19,11 @@ tar -czf "$OUT/logs.tgz" -C /tmp pack-logs 2>/dev/null
 parts=()
 for p in visit-tests visit-prepare visit.log visit-tests.log visit-prepare.log; do [ -e "$p" ] && parts+=("$p"); done
 [ ${#parts[@]} -gt 0 ] && tar -czf "$OUT/tests.tgz" "${parts[@]}" 2>/dev/null
-# the kernel caches (Triton, Inductor, vLLM's compiled graphs) for a later visit's boot, when they fit what comes back
-tar -czf "$OUT/jit-cache.tgz" -C / "$HOME/.triton/cache" "$HOME/.cache/vllm/torch_compile_cache" \
-  /tmp/torchinductor_"$(whoami)" 2>/dev/null
-[ "$(stat -c %s "$OUT/jit-cache.tgz" 2>/dev/null || echo 0)" -gt 16000000 ] && rm -f "$OUT/jit-cache.tgz"
+# the kernel caches (Triton's, vLLM's compiled graphs) for a later visit's boot, in 15 MB parts, when two parts
+# hold them (what comes back is at most 8 files)
+rm -f "$OUT"/jit-cache.tgz.*
+if tar -czf /tmp/jit-cache.tgz -C "$HOME" .triton/cache .cache/vllm/torch_compile_cache 2>/dev/null; then
+  if [ "$(stat -c %s /tmp/jit-cache.tgz)" -le 30000000 ]; then split -b 15000000 -d -a 2 /tmp/jit-cache.tgz "$OUT/jit-cache.tgz."
+  else echo "kernel caches: $(stat -c %s /tmp/jit-cache.tgz) bytes, more than two parts: not packed"; fi
+fi
 ls -la "$OUT"

@@ -99,14 +99,15 @@ else
 fi
 python3 -m qwen_serving.patchset verify --vllm-dir "$VLLM_TREE" || finish 12 "patch series not fully applied"
 record_phase apply_s $(( $(date +%s) - t ))
+# The kernel caches brought back from an earlier visit (README: jit-cache; Triton's and vLLM's compiled graphs, in
+# parts of at most 15 MB) skip most of a server's kernel JIT and torch.compile.
+if compgen -G ".whl/jit-cache.tgz.*" > /dev/null; then
+  log "restoring the kernel caches from .whl/jit-cache.tgz.*"
+  cat .whl/jit-cache.tgz.* | tar -xzf - -C "$HOME" || log "the kernel caches did not unpack (the servers compile afresh)"
+fi
 [ "${QS_GPU_TESTS:-}" = none ] && finish 0 "stack ready, no tests asked for (QS_GPU_TESTS=none)"
 
 # 3. the GPU tests (tests/gpu/conftest.py writes gpu-smoke-h200.json and the server logs into $RESULTS)
-# A Triton cache brought back from an earlier visit (README: jit-cache) skips most of the kernel JIT.
-if [ -f .whl/jit-cache.tar.gz ]; then
-  log "restoring the Triton cache from .whl/jit-cache.tar.gz"
-  mkdir -p "$HOME/.triton" && tar -xzf .whl/jit-cache.tar.gz -C "$HOME/.triton"
-fi
 read -ra TARGETS <<< "${QS_GPU_TESTS:-tests/gpu}"
 log "pytest -m gpu ${TARGETS[*]}"
 export QS_GPU_RESULTS="$RESULTS" QS_GPU_WORK="$WORK" QS_GPU_RUNNER_T0="$T0" QS_GPU_RUNNER_PHASES="{$PHASES}"

@@ -101,9 +101,10 @@ python3 -m qwen_serving.patchset verify --vllm-dir "$VLLM_TREE" || finish 12 "pa
 record_phase apply_s $(( $(date +%s) - t ))
 # The kernel caches brought back from an earlier visit (README: jit-cache; Triton's and vLLM's compiled graphs, in
 # parts of at most 15 MB) skip most of a server's kernel JIT and torch.compile.
-if compgen -G ".whl/jit-cache.tgz.*" > /dev/null; then
-  log "restoring the kernel caches from .whl/jit-cache.tgz.*"
-  cat .whl/jit-cache.tgz.* | tar -xzf - -C "$HOME" || log "the kernel caches did not unpack (the servers compile afresh)"
+CACHE_PARTS="${STAGE:-/tmp/stage}/jit-cache.tgz"
+if compgen -G "$CACHE_PARTS.*" > /dev/null; then
+  log "restoring the kernel caches from $CACHE_PARTS.*"
+  cat "$CACHE_PARTS".* | tar -xzf - -C "$HOME" || log "the kernel caches did not unpack (the servers compile afresh)"
 fi
 [ "${QS_GPU_TESTS:-}" = none ] && finish 0 "stack ready, no tests asked for (QS_GPU_TESTS=none)"
 

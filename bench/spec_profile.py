@@ -127,17 +127,22 @@ def split_step(ops: list[GpuOp], k: int) -> dict:
     return {"labels": labels, "drafts": drafts}
 
 
-_MARLIN_TYPES = re.compile(r"marlin::Marlin<(\d+)l?,\s*(\d+)l?")
+_MARLIN_TYPES = re.compile(r"marlin::Marlin<(\d+)l,\s*(\d+)l,")  # ScalarType ids are printed as long literals
 
 
 def scalar_type_name(type_id: int) -> str:
-    """A vLLM ScalarType id (csrc/core/scalar_type.hpp packs exponent 8 bits, mantissa 8, signed 1, bias 32 from
-    bit 0 up) as vLLM names it: uint4b8, uint8b128, int8; floats as float<bits>_e<e>m<m>
-    (bfloat16: float16_e8m7)."""
-    exponent, mantissa, signed, bias = type_id & 0xFF, (type_id >> 8) & 0xFF, (type_id >> 16) & 1, (type_id >> 17) & 0xFFFFFFFF
+    """A vLLM ScalarType id as vLLM's ScalarType.__str__ names the type (uint4b8, uint8b128, int8; floats as
+    float<bits>_e<e>m<m>, + f for finite-only, + n for a non-IEEE NaN). The id packs, from bit 0 up: exponent
+    (8 bits), mantissa (8), signed (1), bias (32, two's complement), finite values only (1), NaN repr (8)."""
+    exponent, mantissa, signed = type_id & 0xFF, (type_id >> 8) & 0xFF, (type_id >> 16) & 1
+    bias = (type_id >> 17) & 0xFFFFFFFF
+    bias -= (bias >> 31) << 32
+    finite, nan_repr = (type_id >> 49) & 1, (type_id >> 50) & 0xFF
+    bits = exponent + mantissa + signed
     if exponent == 0:
-        return f"{'int' if signed else 'uint'}{mantissa + signed}" + (f"b{bias}" if bias else "")
-    return f"float{exponent + mantissa + signed}_e{exponent}m{mantissa}"
+        return f"{'int' if signed else 'uint'}{bits}" + (f"b{bias}" if bias else "")
+    ieee = nan_repr == 1 and not finite
+    return f"float{bits}_e{exponent}m{mantissa}" + ("" if ieee else "f" * finite + "n" * (nan_repr != 0))
 
 
 def gemm_weight(op: GpuOp) -> str:

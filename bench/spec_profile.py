@@ -30,14 +30,19 @@ gemm_ms_by_weight gives, per phase, the GEMM time by weight type, so the split c
 
 Per phase: kernel_ms (GPU time of its kernels) and wall_ms (from each of its kernels' start to the next
 kernel's start: kernel time plus the GPU idle that follows it); host_gap_ms is the idle before the step's
-first and after its last kernel. Under the profiler the host runs slower (kernel durations hold, idle grows),
-so each config also carries the step time measured without the profiler when --run-json gives it, and
-unexplained_ms = that step time - the kernel time of a profiled step.
+first and after its last kernel. host_ms is the host's side, from the launch calls' correlation ids: per
+phase the host time up to each of its ops' launch (Python, then the launch call), plus between_steps (from
+the previous step's last launch to this step's first); a phase whose host_ms exceeds its kernel_ms keeps the
+GPU waiting unless the host ran ahead during an earlier, longer phase. Under the profiler the host runs
+slower (kernel durations hold, idle and host time grow), so each config also carries the step time measured
+without the profiler when --run-json gives it, and unexplained_ms = that step time - the kernel time of a
+profiled step.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import re
@@ -57,6 +62,7 @@ class GpuOp:
     start_us: float
     dur_us: float
     graph: int  # CUDA graph id (0: launched outside a graph)
+    launched_us: float | None = None  # host end of the CUDA call that launched it (for a graph: cudaGraphLaunch)
 
     @property
     def category(self) -> str:
@@ -68,10 +74,17 @@ class GpuOp:
 
 
 def gpu_ops(trace: dict) -> list[GpuOp]:
-    """GPU kernels, memcpys and memsets of a Chrome trace, by start time, with their CUDA graph ids."""
-    ops = [GpuOp(ev["name"], float(ev["ts"]), float(ev.get("dur", 0.0)), int((ev.get("args") or {}).get("graph id", 0)))
-           for ev in trace.get("traceEvents", [])
-           if ev.get("ph") == "X" and ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    """GPU kernels, memcpys and memsets of a Chrome trace, by start time, with their CUDA graph ids and the host
+    time their launch returned (the runtime/driver call of the same correlation id; None where the trace has none)."""
+    events = [ev for ev in trace.get("traceEvents", []) if ev.get("ph") == "X"]
+    launched = {ev["args"]["correlation"]: float(ev["ts"]) + float(ev.get("dur", 0.0)) for ev in events
+                if ev.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in (ev.get("args") or {})}
+    ops = []
+    for ev in events:
+        if ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            args = ev.get("args") or {}
+            ops.append(GpuOp(ev["name"], float(ev["ts"]), float(ev.get("dur", 0.0)), int(args.get("graph id", 0)),
+                             launched.get(args.get("correlation"))))
     return sorted(ops, key=lambda k: k.start_us)
 
 
@@ -161,10 +174,26 @@ def _by_category(ops: list[GpuOp]) -> dict[str, float]:
     return out
 
 
+def _host_ms(before: GpuOp | None, mine: list[GpuOp], labels: list[str]) -> dict[str, float] | None:
+    """Host milliseconds per phase: the time from the previous op's launch returning to this op's launch returning
+    is the host's work towards this op (Python, then the launch call itself); the first op's share, from the
+    previous step's last launch, is between_steps (output processing, scheduling, input preparation up to the
+    first copy). Ops of one CUDA graph after its first add nothing. None when a launch is missing from the trace."""
+    if before is None or before.launched_us is None or any(op.launched_us is None for op in mine):
+        return None
+    host = dict.fromkeys((*PHASES, "between_steps"), 0.0)
+    prev = before.launched_us
+    for i, (op, label) in enumerate(zip(mine, labels, strict=True)):
+        host["between_steps" if i == 0 else label] += (op.launched_us - prev) / 1000.0
+        prev = op.launched_us
+    return host
+
+
 def step_phases(ops: list[GpuOp], start_us: float, end_us: float, k: int) -> dict:
-    """Milliseconds per phase of the step [start_us, end_us): kernel and wall time, host gap, period, and
-    per draft its forward, lm_head and sampling kernel time."""
-    mine = [op for op in ops if start_us <= op.start_us < end_us]
+    """Milliseconds per phase of the step [start_us, end_us): kernel, wall and host time, host gap, period,
+    and per draft its forward, lm_head and sampling kernel time."""
+    first = bisect.bisect_left([op.start_us for op in ops], start_us)
+    mine = [op for op in ops[first:] if op.start_us < end_us]
     if not mine:
         raise ValueError(f"no GPU work in the step at {start_us:.0f} us")
     split = split_step(mine, k)
@@ -195,22 +224,26 @@ def step_phases(ops: list[GpuOp], start_us: float, end_us: float, k: int) -> dic
             "host_gap_ms": period - sum(wall.values()), "drafts": drafts,
             "verify_forward_by_category": _by_category(by_phase["verify_forward"]),
             "draft_forward_by_category": _by_category(by_phase["draft_forward"]),
-            "gemm_ms_by_weight": gemm_weights, "_kernel_us": kernel_us, "_kernel_calls": kernel_calls}
+            "gemm_ms_by_weight": gemm_weights, "_kernel_us": kernel_us, "_kernel_calls": kernel_calls,
+            "host_ms": _host_ms(ops[first - 1] if first else None, mine, split["labels"])}
 
 
 def _mean(dicts: list[dict], sort: bool = False) -> dict:
-    """Key by key mean of per-step dicts (nested dicts and lists of dicts alike); a key a step lacks counts 0."""
+    """Key by key mean of per-step dicts (nested dicts and lists of dicts alike): a key a step lacks counts 0, a
+    key some step has as None is None."""
     keys = sorted({k for d in dicts for k in d}) if sort else list(dict.fromkeys(k for d in dicts for k in d))
     out = {}
     for key in keys:
-        values = [d.get(key) for d in dicts]
-        sample = next(v for v in values if v is not None)
-        if isinstance(sample, dict):
-            out[key] = _mean([v or {} for v in values], sort=True)
+        values = [d[key] for d in dicts if key in d]
+        sample = values[0]
+        if any(v is None for v in values):  # a figure some step could not give (host_ms without launches)
+            out[key] = None
+        elif isinstance(sample, dict):
+            out[key] = _mean([d.get(key, {}) for d in dicts], sort=True)
         elif isinstance(sample, list):
             out[key] = [_mean([v[i] for v in values]) for i in range(len(sample))]
         else:
-            out[key] = sum(v or 0.0 for v in values) / len(dicts)
+            out[key] = sum(values) / len(dicts)
     return out
 
 

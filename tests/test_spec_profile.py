@@ -67,24 +67,37 @@ def _step(k: int, draft: list = DRAFT) -> list[tuple[str, float, int]]:
     return [*VERIFY, HEAD, *VERIFY_SAMPLING, *(BOOKKEEPING if k else []), *(draft * k)]
 
 
-def build_trace(k: int, steps: int = 5, broken_step: int | None = None, step_ops=None) -> dict:
-    """`steps` decode steps (after a prefill mark); broken_step's drafts lose their sampling kernel."""
+def build_trace(k: int, steps: int = 5, broken_step: int | None = None, step_ops=None, launches: bool = False) -> dict:
+    """`steps` decode steps (after a prefill mark); broken_step's drafts lose their sampling kernel. With launches,
+    each op has its host launch: an eager op's cudaLaunchKernel returns 3 us before the op starts, a CUDA graph's
+    cudaGraphLaunch (one per run of a graph id) returns 20 us before its first kernel starts."""
     events = []
     names = ["execute_context_1(100)_generation_0(0)"] + [f"execute_context_0(0)_generation_1({1 + k})"] * steps
+    gpu = []
     for s, name in enumerate(names):
         t0 = s * STEP_US
         events.append({"ph": "X", "cat": "gpu_user_annotation", "name": name, "ts": t0, "dur": 9000.0})
         for off in (0.0, 10.0):
-            events.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": t0 + off,
-                           "dur": 1.0, "args": {"graph id": 0}})
+            gpu.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": t0 + off,
+                        "dur": 1.0, "args": {"graph id": 0}})
         ops = step_ops if step_ops is not None else _step(k, [d for d in DRAFT if "ArgMax" not in d[0]]
                                                           if s == broken_step else DRAFT)
         t = t0 + 100.0
         for op_name, dur, graph in ops:
-            events.append({"ph": "X", "cat": "kernel", "name": op_name, "ts": t, "dur": float(dur),
-                           "args": {"graph id": graph}})
+            gpu.append({"ph": "X", "cat": "kernel", "name": op_name, "ts": t, "dur": float(dur),
+                        "args": {"graph id": graph}})
             t += dur + 1.0
-    return {"traceEvents": events}
+    prev_graph = 0
+    for corr, ev in enumerate(gpu, 1):
+        graph = ev["args"]["graph id"]
+        if launches and (graph == 0 or graph != prev_graph):
+            lead, call, name = (80.0, 60.0, "cudaGraphLaunch") if graph else (5.0, 2.0, "cudaLaunchKernel")
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ev["ts"] - lead, "dur": call,
+                           "args": {"correlation": corr}})
+            launch = corr
+        ev["args"]["correlation"] = launch if launches else corr
+        prev_graph = graph
+    return {"traceEvents": events + gpu}
 
 
 def _ms(ops) -> float:
@@ -229,3 +242,18 @@ def test_marlin_weight_types_read_as_vllm_names_them():
     scalar_type = pytest.importorskip("vllm.scalar_type")
     for t in ("uint4b8", "uint8b128", "int8", "uint4", "int4", "float8_e4m3fn", "float4_e2m1f"):
         assert spp.scalar_type_name(getattr(scalar_type.scalar_types, t).id) == t
+
+
+def test_host_time_per_phase_follows_the_launches():
+    prof = spp.profile_trace(build_trace(k=4, launches=True), batch=1, skip=1)
+    host = prof["host_ms"]
+    assert sum(host.values()) == pytest.approx(10.0)  # one step's launches, end to end, are one period
+    # from the second input copy's launch (returns at 7 us) to the graph's (80 us): the rest of the graph adds 0
+    assert host["verify_forward"] == pytest.approx(0.073)
+    # the head's launch returns 3 us before it starts, after the graph's kernels, each followed by 1 us
+    head_start = 100 + sum(d + 1 for _, d, _ in VERIFY)
+    assert host["verify_lm_head"] == pytest.approx((head_start - 3 - 80) / 1000.0)
+    # from the last op of the previous step (a draft's slot mapping) to this step's first input copy
+    last_op_start = 100 + sum(d + 1 for _, d, _ in _step(4)[:-1])
+    assert host["between_steps"] == pytest.approx((STEP_US - last_op_start) / 1000.0)
+    assert spp.profile_trace(build_trace(k=4), batch=1, skip=1)["host_ms"] is None  # no launches in the trace

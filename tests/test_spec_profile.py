@@ -10,6 +10,11 @@ step start in us, durations in us; graph = CUDA graph id, 0 outside a graph):
   per draft    : graph 9: norm 4, nvjet 30; eager flash 10; graph 9: nvjet 80; head nvjet 600; argmax 8;
                  eagle_step_slot_mapping_metadata_kernel 2 (bookkeeping)
 Kernels follow each other 1 us apart.
+
+Our patched MTP step on the prepared checkpoint (PATCHED_*, as the H200 traces of 2026-12-02 show it): the same
+verify forward (int4 Marlin, weight type uint4b8), then every other GEMM is an int8 Marlin (uint8b128): the
+lm_head, the MTP layer (graphs 9 and 11 around eager split-KV attention) and the 3,707-row draft head, whose
+logits are scattered into the full vocabulary (fill + index_copy) before the draft's top-k sampling.
 """
 
 from __future__ import annotations
@@ -38,28 +43,61 @@ DRAFT = [("triton_poi_fused_0", 4, 9), ("nvjet_sm90_tst_256x8_64x6_4x1_v_bz_spli
          ("eagle_step_slot_mapping_metadata_kernel", 2, 0)]
 
 
+INT4 = "void marlin::Marlin<1125899906909960l, 1125899907892224l, 1125899906909960l, 1125899906909960l, 256, 1, 8>(...)"
+INT8 = "void marlin::Marlin<1125899906909960l, 1125899923621888l, 1125899906909960l, 1125899906909960l, 256, 1, 8>(...)"
+INT8_SMALL = INT8.replace("256, 1, 8>", "128, 1, 4>")
+PATCHED_VERIFY = [(INT4 if "marlin" in n else n, d, g) for n, d, g in VERIFY]
+PATCHED_HEAD = (INT8, 335, 0)
+PATCHED_VERIFY_SAMPLING = [("vectorized_gather_kernel", 2, 0), ("at::native::mbtopk::computeDigitCumSum", 6, 0),
+                           ("_apply_cut_kernel", 3, 0), ("cunn_SoftMaxForward", 100, 0),
+                           ("sample_recovered_tokens_kernel", 50, 0), ("rejection_random_sample_kernel", 2, 0)]
+PATCHED_DRAFT = [("_dequant_gather_kernel", 2, 9), (INT8, 21, 9), (INT8, 25, 9), ("split_kv_kernel", 8, 0),
+                 ("_merge_splits_kernel", 15, 0), (INT8, 15, 11), (INT8, 54, 11), (INT8, 31, 11),
+                 ("triton_red_fused__to_copy_add_fused_add_rms_norm_3", 3, 11), ("index_elementwise_kernel", 3, 0),
+                 (INT8_SMALL, 13, 0), ("FillFunctor<c10::BFloat16>", 1, 0), ("index_copy_kernel_impl", 4, 0),
+                 ("at::native::mbtopk::computeDigitCumSum", 6, 0), ("_apply_cut_kernel", 3, 0),
+                 ("ReduceOp<float, ArgMaxOps<float>>", 8, 0), ("eagle_step_slot_mapping_metadata_kernel", 2, 0)]
+
+
+def _patched_step(k: int, draft: list = PATCHED_DRAFT, verify: list = PATCHED_VERIFY) -> list[tuple[str, float, int]]:
+    return [*verify, PATCHED_HEAD, *PATCHED_VERIFY_SAMPLING, *(BOOKKEEPING if k else []), *(draft * k)]
+
+
 def _step(k: int, draft: list = DRAFT) -> list[tuple[str, float, int]]:
     return [*VERIFY, HEAD, *VERIFY_SAMPLING, *(BOOKKEEPING if k else []), *(draft * k)]
 
 
-def build_trace(k: int, steps: int = 5, broken_step: int | None = None, step_ops=None) -> dict:
-    """`steps` decode steps (after a prefill mark); broken_step's drafts lose their sampling kernel."""
+def build_trace(k: int, steps: int = 5, broken_step: int | None = None, step_ops=None, launches: bool = False) -> dict:
+    """`steps` decode steps (after a prefill mark); broken_step's drafts lose their sampling kernel. With launches,
+    each op has its host launch: an eager op's cudaLaunchKernel returns 3 us before the op starts, a CUDA graph's
+    cudaGraphLaunch (one per run of a graph id) returns 20 us before its first kernel starts."""
     events = []
     names = ["execute_context_1(100)_generation_0(0)"] + [f"execute_context_0(0)_generation_1({1 + k})"] * steps
+    gpu = []
     for s, name in enumerate(names):
         t0 = s * STEP_US
         events.append({"ph": "X", "cat": "gpu_user_annotation", "name": name, "ts": t0, "dur": 9000.0})
         for off in (0.0, 10.0):
-            events.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": t0 + off,
-                           "dur": 1.0, "args": {"graph id": 0}})
+            gpu.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": t0 + off,
+                        "dur": 1.0, "args": {"graph id": 0}})
         ops = step_ops if step_ops is not None else _step(k, [d for d in DRAFT if "ArgMax" not in d[0]]
                                                           if s == broken_step else DRAFT)
         t = t0 + 100.0
         for op_name, dur, graph in ops:
-            events.append({"ph": "X", "cat": "kernel", "name": op_name, "ts": t, "dur": float(dur),
-                           "args": {"graph id": graph}})
+            gpu.append({"ph": "X", "cat": "kernel", "name": op_name, "ts": t, "dur": float(dur),
+                        "args": {"graph id": graph}})
             t += dur + 1.0
-    return {"traceEvents": events}
+    prev_graph = 0
+    for corr, ev in enumerate(gpu, 1):
+        graph = ev["args"]["graph id"]
+        if launches and (graph == 0 or graph != prev_graph):
+            lead, call, name = (80.0, 60.0, "cudaGraphLaunch") if graph else (5.0, 2.0, "cudaLaunchKernel")
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ev["ts"] - lead, "dur": call,
+                           "args": {"correlation": corr}})
+            launch = corr
+        ev["args"]["correlation"] = launch if launches else corr
+        prev_graph = graph
+    return {"traceEvents": events + gpu}
 
 
 def _ms(ops) -> float:
@@ -142,3 +180,80 @@ def test_cli_refuses_a_trace_it_cannot_split_and_writes_nothing(tmp_path, capsys
     out = tmp_path / "out.json"
     assert spp.main([str(bad), "--out", str(out), "--skip", "1"]) == 1
     assert not out.exists() and "expected 5 logits GEMMs" in capsys.readouterr().err
+
+
+def test_patched_step_tells_int8_heads_and_drafter_from_the_int4_body():
+    prof = spp.profile_trace(build_trace(k=4, step_ops=_patched_step(4)), batch=1, skip=1)
+    kernel = prof["kernel_ms"]
+    assert kernel["verify_forward"] == pytest.approx(_ms(PATCHED_VERIFY))
+    assert kernel["verify_lm_head"] == pytest.approx(0.335)
+    assert kernel["verify_sampling"] == pytest.approx(_ms(PATCHED_VERIFY_SAMPLING))
+    # the draft body runs from its first graph kernel to the head: MTP layer, its attention, the row select
+    assert kernel["draft_forward"] == pytest.approx(4 * _ms(PATCHED_DRAFT[:10]))
+    assert kernel["draft_lm_head"] == pytest.approx(4 * 0.013)
+    # the draft head's scatter into the full vocabulary (fill + index_copy) is the draft's sampling
+    assert kernel["draft_sampling"] == pytest.approx(4 * _ms(PATCHED_DRAFT[11:16]))
+    assert kernel["bookkeeping"] == pytest.approx(0.004 + 4 * 0.002)
+    weights = prof["gemm_ms_by_weight"]
+    assert weights["verify_forward"] == pytest.approx({"marlin uint4b8": 0.2})
+    assert weights["verify_lm_head"] == pytest.approx({"marlin uint8b128": 0.335})
+    assert weights["draft_forward"] == pytest.approx({"marlin uint8b128": 4 * 0.146})
+    assert weights["draft_lm_head"] == pytest.approx({"marlin uint8b128": 4 * 0.013})
+    sampling = {row["name"]: row for row in prof["phase_kernels"]["draft_sampling"]}
+    assert sampling["index_copy_kernel_impl"]["us_per_step"] == pytest.approx(16.0)
+    assert sampling["index_copy_kernel_impl"]["calls_per_step"] == 4
+
+
+def test_patched_plain_step_has_an_int8_marlin_lm_head():
+    prof = spp.profile_trace(build_trace(k=0, step_ops=_patched_step(0)), batch=1, skip=1)
+    assert prof["k"] == 0 and prof["drafts"] == []
+    assert prof["kernel_ms"]["verify_lm_head"] == pytest.approx(0.335)
+    assert prof["kernel_ms"]["verify_forward"] == pytest.approx(_ms(PATCHED_VERIFY))
+
+
+def test_a_body_cut_short_by_a_sampling_kernel_is_refused():
+    # a softmax inside the body makes its first Marlin GEMM look like the target's head; with the last draft's
+    # sampling lost the head count still reads 1 + k, but the first "draft" then runs the verify forward's graph
+    verify = [*PATCHED_VERIFY[:2], ("cunn_SoftMaxForward", 5, 7), *PATCHED_VERIFY[2:]]
+    broken = [op for op in PATCHED_DRAFT if "ArgMax" not in op[0] and "mbtopk" not in op[0]]
+    ops = _patched_step(4, verify=verify)[:-len(PATCHED_DRAFT)] + broken
+    with pytest.raises(ValueError, match="draft pass 1 runs CUDA graph 7 of the verify forward"):
+        spp.profile_trace(build_trace(k=4, step_ops=ops), batch=1, skip=1)
+
+
+def test_a_gemm_after_the_last_drafts_sampling_is_refused():
+    ops = [*_patched_step(4), (INT8, 20, 0)]
+    with pytest.raises(ValueError, match="follows the last head's sampling"):
+        spp.profile_trace(build_trace(k=4, step_ops=ops), batch=1, skip=1)
+
+
+def test_a_patched_step_with_a_draft_pass_missing_is_refused():
+    ops = _patched_step(4)[:-len(PATCHED_DRAFT)]
+    with pytest.raises(ValueError, match="expected 5 logits GEMMs .* found 4"):
+        spp.profile_trace(build_trace(k=4, step_ops=ops), batch=1, skip=1)
+
+
+def test_marlin_weight_types_read_as_vllm_names_them():
+    assert spp.gemm_weight(spp.GpuOp(INT4, 0.0, 1.0, 0)) == "marlin uint4b8"
+    assert spp.gemm_weight(spp.GpuOp(INT8_SMALL, 0.0, 1.0, 0)) == "marlin uint8b128"
+    assert spp.gemm_weight(spp.GpuOp(VERIFY[1][0], 0.0, 1.0, 0)) == "marlin"  # no type ids in the name
+    assert spp.gemm_weight(spp.GpuOp(HEAD[0], 0.0, 1.0, 0)) == "dense"
+    assert spp.scalar_type_name(0x4000000010708) == "float16_e8m7"  # bfloat16, Marlin's activation type here
+    scalar_type = pytest.importorskip("vllm.scalar_type")
+    for t in ("uint4b8", "uint8b128", "int8", "uint4", "int4", "float8_e4m3fn", "float4_e2m1f"):
+        assert spp.scalar_type_name(getattr(scalar_type.scalar_types, t).id) == t
+
+
+def test_host_time_per_phase_follows_the_launches():
+    prof = spp.profile_trace(build_trace(k=4, launches=True), batch=1, skip=1)
+    host = prof["host_ms"]
+    assert sum(host.values()) == pytest.approx(10.0)  # one step's launches, end to end, are one period
+    # from the second input copy's launch (returns at 7 us) to the graph's (80 us): the rest of the graph adds 0
+    assert host["verify_forward"] == pytest.approx(0.073)
+    # the head's launch returns 3 us before it starts, after the graph's kernels, each followed by 1 us
+    head_start = 100 + sum(d + 1 for _, d, _ in VERIFY)
+    assert host["verify_lm_head"] == pytest.approx((head_start - 3 - 80) / 1000.0)
+    # from the last op of the previous step (a draft's slot mapping) to this step's first input copy
+    last_op_start = 100 + sum(d + 1 for _, d, _ in _step(4)[:-1])
+    assert host["between_steps"] == pytest.approx((STEP_US - last_op_start) / 1000.0)
+    assert spp.profile_trace(build_trace(k=4), batch=1, skip=1)["host_ms"] is None  # no launches in the trace

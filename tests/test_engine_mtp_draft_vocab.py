@@ -94,6 +94,35 @@ def test_drafts_over_the_draft_vocabulary(vllm_world, tmp_path):
     assert torch.softmax(logits, -1)[:, outside].sum() == 0  # sampled drafts never leave the list
 
 
+def test_sampled_drafts_are_drawn_over_the_draft_rows(vllm_world, tmp_path):
+    """The proposer's _sample_draft_tokens with probabilistic drafts takes the drafter's sample_draft: q over the
+    draft ids only, the request's top-k and top-p applied, the draft a token q gives mass to."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    vllm_config, target, drafter = build(tmp_path)
+    weight = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(1))
+    load(drafter, vllm_config, checkpoint(weight))
+    load(target, vllm_config, [("lm_head.weight", weight)])
+    share_lm_head(vllm_config, target, drafter)
+    hidden = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(3)) * 0.05
+    metadata = SimpleNamespace(all_greedy=False, temperature=torch.tensor([0.6, 1.0, 0.0, 0.8]),
+                               top_k=torch.tensor([20, 5, 20, 1000]), top_p=torch.tensor([0.95, 1.0, 0.95, 0.5]))
+    proposer = SimpleNamespace(model=drafter, _enable_probabilistic_draft_probs=True)
+    tokens, q = SpecDecodeBaseProposer._sample_draft_tokens(proposer, hidden, metadata)
+    draft = hidden @ weight[IDS].t()
+    assert q.shape == (4, VOCAB) and q.dtype == torch.float32
+    torch.testing.assert_close(q.sum(-1), torch.ones(4), rtol=0, atol=1e-5)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[IDS] = False
+    assert q[:, outside].sum() == 0 and bool((q[torch.arange(4), tokens] > 0).all())
+    assert (q > 0).sum(-1)[1] == 5  # top-k 5, top-p 1
+    assert (q > 0).sum(-1)[0] <= 20
+    assert tokens[2] == torch.tensor(IDS)[draft[2].argmax()]  # a greedy row takes the largest draft logit
+    kept = q[1] > 0  # q is the tempered softmax over the kept draft rows
+    torch.testing.assert_close(q[1, kept], torch.softmax(draft[1][torch.isin(torch.tensor(IDS), kept.nonzero().flatten())], 0),
+                               rtol=1e-4, atol=1e-6)
+
+
 def test_switched_off(vllm_world, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_MTP_DRAFT_VOCAB", "0")
     vllm_config, target, drafter = build(tmp_path)

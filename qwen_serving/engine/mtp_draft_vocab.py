@@ -4,8 +4,10 @@ prepare/build_draft_vocab.py stores the head as ``mtp.draft_lm_head.*`` (the lm_
 and names it in config.json: ``"draft_vocab": {"size": K, "ids_file": "draft_vocab_ids.json",
 "head": "mtp.draft_lm_head"}``, the ids file holding ``{"ids": [sorted ids], ...}``. vLLM's MTP
 drafter then computes K logits per draft instead of the full vocabulary and maps draft index ``i``
-back to token ``ids[i]``: sampled drafts see -inf outside the list, greedy (local-argmax) drafts
-take the argmax over the K rows. A token outside the list is never proposed.
+back to token ``ids[i]``: probabilistic drafts are drawn over the K rows themselves (``DraftVocab.sample``,
+kernels/draft_sample.py: the draft probabilities land in a zeroed full-vocabulary row for the rejection
+sampler), other callers of compute_logits see -inf outside the list, and greedy (local-argmax) drafts take the
+argmax over the K rows. A token outside the list is never proposed.
 
 The head lives on the inner MTP predictor (``Qwen3_5MultiTokenPredictor.draft_lm_head``), not on
 ``Qwen3_5MTP.lm_head``, which the V1 proposer replaces with the target's full head.
@@ -74,6 +76,21 @@ class DraftVocab(nn.Module):
     def full_logits(self, head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = self.logits_processor(head, hidden_states)
         return None if logits is None else self.scatter(logits)
+
+    def sample(self, head: nn.Module, hidden_states: torch.Tensor, sampling_metadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Probabilistic drafts drawn over the K draft rows (kernels/draft_sample.py): (token ids, q over the full
+        vocabulary for the rejection sampler); None, for vLLM's full-vocabulary path, where the batch's sampling
+        parameters are not one per draft row."""
+        temperature, top_k, top_p = sampling_metadata.temperature, sampling_metadata.top_k, sampling_metadata.top_p
+        rows = hidden_states.shape[0]
+        if temperature is None or any(x is not None and tuple(x.shape) != (rows,) for x in (temperature, top_k, top_p)):
+            return None
+        logits = self.logits_processor(head, hidden_states)
+        if logits is None:
+            return None
+        from .kernels.draft_sample import sample_draft
+
+        return sample_draft(logits, self.target_ids, self.vocab_size, temperature, top_k, top_p)
 
     def top_tokens(self, head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         """Greedy drafts through the vocab-parallel local argmax, as token ids of the full vocabulary."""

@@ -1,0 +1,65 @@
+"""Drafts sampled in the draft vocabulary's index space (Triton, interpreted on CPU) against the plain-torch
+definition beside it: the same tokens for the same noise, the same q to float32 rounding, at several shapes,
+temperatures, top-k/top-p settings and greedy rows; and q is the distribution the race draws from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qwen_serving.engine.kernels.draft_sample import MAX_CANDIDATES, sample_draft, sample_draft_reference
+
+VOCAB = 1000
+
+
+def _case(rows: int, width: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, width, generator=gen) * 3).to(torch.bfloat16)
+    ids = torch.randperm(VOCAB, generator=gen)[:width].sort().values
+    temperature = torch.rand(rows, generator=gen) * 1.2 + 0.3
+    return gen, logits, ids, temperature
+
+
+@pytest.mark.parametrize(("rows", "width"), [(1, 37), (4, 300), (5, 900)])
+@pytest.mark.parametrize("truncation", ["none", "top_k", "top_k_top_p", "top_p"])
+def test_kernel_matches_reference(rows, width, truncation):
+    gen, logits, ids, temperature = _case(rows, width, seed=rows * 1000 + width)
+    top_k = torch.randint(1, 80, (rows,), generator=gen) if "top_k" in truncation else None
+    top_p = torch.rand(rows, generator=gen) * 0.9 + 0.05 if "top_p" in truncation else None
+    temperature[0] = 0.0  # a greedy row in the batch
+    noise = torch.empty(rows, min(MAX_CANDIDATES, width)).exponential_(generator=gen)
+    tokens, probs = sample_draft(logits, ids, VOCAB, temperature, top_k, top_p, noise)
+    want_tokens, want_probs = sample_draft_reference(logits, ids, VOCAB, temperature, top_k, top_p, noise)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(probs, want_probs, rtol=0, atol=1e-6)
+    torch.testing.assert_close(probs.sum(1), torch.ones(rows), rtol=0, atol=1e-5)
+    assert tokens[0] == ids[logits[0].float().argmax()]  # greedy: the largest draft logit
+    support = probs > 0
+    assert not support[:, [t for t in range(VOCAB) if t not in set(ids.tolist())]].any()  # only draft tokens
+    assert support[torch.arange(rows), tokens].all()  # the draft has mass under q
+    if top_k is not None:
+        assert (support.sum(1) <= top_k.clamp(max=MAX_CANDIDATES)).all()
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    ids = torch.tensor([7, 3, 9, 1])
+    one = torch.ones(1)
+    for p, kept in ((0.5, {7}), (0.51, {7, 3}), (0.8, {7, 3}), (0.81, {7, 3, 9}), (1.0, {7, 3, 9, 1})):
+        _, probs = sample_draft(logits, ids, 10, one, None, torch.tensor([p]), torch.ones(1, 4))
+        assert set(probs[0].nonzero().flatten().tolist()) == kept, p
+
+
+def test_the_race_draws_from_q():
+    # 4,000 draws of one row: the empirical frequencies follow q (6 sigma at the largest cell)
+    gen, logits, ids, temperature = _case(1, 50, seed=7)
+    rows = 4000
+    logits, temperature = logits.expand(rows, -1).contiguous(), temperature.expand(rows).contiguous()
+    top_k = torch.full((rows,), 5)
+    noise = torch.empty(rows, 50).exponential_(generator=gen)
+    tokens, probs = sample_draft(logits, ids, VOCAB, temperature, top_k, None, noise)
+    q = probs[0]
+    counts = torch.bincount(tokens, minlength=VOCAB).float() / rows
+    assert torch.equal(probs, q.expand(rows, -1))
+    assert (counts - q).abs().max() < 6 * (0.25 / rows) ** 0.5
+    assert set(counts.nonzero().flatten().tolist()) <= set(q.nonzero().flatten().tolist())

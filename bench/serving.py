@@ -240,6 +240,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# what a vLLM 0.28.0 server's log says about its start: (key, the pattern whose group is the number)
+BOOT_FACTS = (
+    ("weights_gib", r"Model loading took ([0-9.]+) GiB"),
+    ("torch_compile_s", r"torch\.compile took ([0-9.]+) s in total"),
+    ("warmup_s", r"Initial profiling/warmup run took ([0-9.]+) s"),
+    ("graph_capture_s", r"Graph capturing finished in ([0-9.]+) secs"),
+    ("graph_capture_gib", r"Graph capturing finished in [0-9.]+ secs, took (-?[0-9.]+) GiB"),
+    ("engine_init_s", r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s"),
+    ("kv_cache_tokens", r"GPU KV cache size: ([0-9,]+) tokens"),
+)
+
+
+def boot_facts(log_text: str) -> dict[str, float | list[float]]:
+    """Numbers a vLLM server's log gives about its start (the weights' and CUDA graphs' GPU memory, compile and
+    warm-up seconds, the KV pool in tokens); a number the log gives more than once (the target's torch.compile
+    and the drafter's) is a list, in log order."""
+    facts: dict[str, float | list[float]] = {}
+    for key, pattern in BOOT_FACTS:
+        found = [float(m.replace(",", "")) for m in re.findall(pattern, log_text)]
+        if found:
+            facts[key] = found[0] if len(found) == 1 else found
+    return facts
+
+
 class ServerStartError(RuntimeError):
     pass
 

@@ -260,3 +260,20 @@ def test_server_that_never_gets_healthy_times_out_and_is_killed(tmp_path):
     finally:
         server.stop(grace_s=10)
     assert server.exit_code() is not None
+
+
+def test_boot_facts_read_a_vllm_servers_start():
+    log = "\n".join([
+        "(EngineCore pid=1) INFO 12-02 04:17:47 [gpu_model_runner.py:5515] Model loading took 14.99 GiB memory and 11.5 seconds",
+        "(EngineCore pid=1) INFO 12-02 04:19:01 [monitor.py:53] torch.compile took 73.82 s in total",
+        "(EngineCore pid=1) INFO 12-02 04:20:35 [monitor.py:81] Initial profiling/warmup run took 94.38 s",
+        "(EngineCore pid=1) INFO 12-02 04:20:42 [monitor.py:53] torch.compile took 6.18 s in total",
+        "(EngineCore pid=1) INFO 12-02 04:20:50 [kv_cache_utils.py:1] GPU KV cache size: 38,765 tokens",
+        "(EngineCore pid=1) INFO 12-02 04:21:03 [gpu_model_runner.py:7048] Graph capturing finished in 12 secs, took 6.77 GiB",
+        "(EngineCore pid=1) INFO 12-02 04:21:04 [core.py:347] init engine (profile, create kv cache, warmup model) took "
+        "197.22 s (compilation: 80.01 s)",
+    ])
+    assert serving.boot_facts(log) == {"weights_gib": 14.99, "torch_compile_s": [73.82, 6.18], "warmup_s": 94.38,
+                                       "graph_capture_s": 12.0, "graph_capture_gib": 6.77, "engine_init_s": 197.22,
+                                       "kv_cache_tokens": 38765.0}
+    assert serving.boot_facts("the server died before loading anything") == {}

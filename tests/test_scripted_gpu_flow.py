@@ -95,6 +95,24 @@ def test_dry_run_prints_every_wave(tmp_path):
     ports = [int(re.search(r"--port (\d+)", c).group(1)) for c in commands]
     assert ports == list(range(18060, 18060 + len(commands)))  # never reused across waves
     assert not (tmp_path / "o").exists()
+    # --from-run: the servers taken from the earlier run are not booted; the plan's MTP server leads the first wave
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "scripted_mtp.py"), str(tmp_path / "o"),
+                          "--dry-run", "--site", "/s", "--patched-site", "/p", "--from-run", "earlier.json"],
+                         capture_output=True, text=True, timeout=120)
+    names = re.findall(r"^# (\S+) \(port", res.stdout, flags=re.M)
+    assert names == ["scripted-patched-mtp4", *(f"scripted-patched-mtp{k}" for k in fb.SCRIPTED_SWEEP_K),
+                     *(f"scripted-stock-mtp{k}" for k in fb.SCRIPTED_SWEEP_K)]
+
+
+def test_waves_boot_at_most_four_servers_each(tmp_path):
+    args = argparse.Namespace(base_port=18060, site=Path("/s"), patched_site=Path("/p"), python=sys.executable,
+                              ckpt=CKPT, prepared_ckpt=CKPT)
+    full = sm.waves(args, tmp_path)
+    assert [len(w) for w in full] == [4, 4, 4, 2]  # the first wave, then the sweep's ten servers
+    assert [s.cfg.name for s in full[0]] == list(fb.SCRIPTED_CONFIGS)
+    assert all(s.cfg.patched for s in full[1]) and not any(s.cfg.patched for s in full[3])
+    later = sm.waves(args, tmp_path, taken=sm.FROM_RUN_SERVERS)
+    assert [len(w) for w in later] == [4, 4, 3]
 
 
 # ---------------------------------------------------------------- acceptance maths
@@ -487,7 +505,7 @@ def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, 
     later = sm.start_record(tmp_path / "later" / sm.REPORT, args, {"PYTHONPATH": str(REPO)})
     later.data["checkpoint"].update(mtp_agree=0.76, draft_coverage=0.9)
     later.data["prediction"] = later.data["prediction_prepared"] = prediction
-    sm.take_first_wave(later, kept)
+    assert sm.take_first_wave(later, kept, list(fakes)) == list(fakes)
     assert later.data["from_run"]["servers"] == list(fakes) and set(later.traces) == set(fakes)
     assert later.data["measurements"]["scripted-stock"]["from_run"].startswith("scripted-h200-mtp-run9.json")
     sm.finish(later, design, greedy)
@@ -497,7 +515,7 @@ def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, 
         later.data["measurements"]["scripted-stock"]["from_run"]}
     later.data["checkpoint"]["draft_coverage"] = 0.5
     with pytest.raises(sm.CheckpointError, match="draft_coverage"):
-        sm.take_first_wave(later, kept)
+        sm.take_first_wave(later, kept, list(fakes))
     # reference x2 (each stack's files); chain x4; identity, logits, greedy walk x2 (each against its own stack's
     # plain server); sampled x2; chi-square x2; prefix x2
     assert len(checks) == 2 + 4 + 2 * 3 + 2 + 2 + 2

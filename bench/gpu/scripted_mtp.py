@@ -107,6 +107,12 @@ EXTRA_PARTS = {"scripted-stock": ("chisq", "prefix", "profile"), "scripted-stock
 QUALITY_TAG = "scripted-h200"
 PREFILL_AB_LENS = "1024,3072"  # within SCRIPTED_MAX_LEN
 SWEEP_SERVER_S = 60  # a sweep server's greedy, sampled and C1 parts
+# servers booted together: four of our MTP servers fit the H200 with their pools (visit 9: 15 GiB of weights and
+# 6.8 GiB of CUDA graphs each), five do not
+WAVE_SERVERS = 4
+# what --from-run takes from an earlier run by default: the first-wave servers whose code the sampler change after
+# visit 9 left alone (the single-user plan's MTP server is booted again)
+FROM_RUN_SERVERS = ("scripted-stock", "scripted-stock-mtp4", "scripted-patched-plain")
 CHISQ_ROWS_S = 150  # the --chisq-rows child per server: ~1e5 tokens through the float32 reference (estimate)
 # time limits (s); budget: the whole run, from start to the last server stopped
 LIMITS = {"synth": 420, "prepare": 420, "predict": 600, "boot": 600, "greedy": 240, "sampled": 300, "c1": 240, "chisq": 240,
@@ -586,14 +592,16 @@ def build_servers(args: argparse.Namespace, out: Path, configs: Sequence[fb.Benc
     return servers
 
 
-def waves(args: argparse.Namespace, out: Path) -> list[list[run_full.Server]]:
-    """The first wave, then the sweep: the single-user plan's servers, then stock's (ports never reused)."""
-    sweep = list(fb.SCRIPTED_SWEEP.values())
-    groups = [list(fb.SCRIPTED_CONFIGS.values()), [c for c in sweep if c.patched], [c for c in sweep if not c.patched]]
+def waves(args: argparse.Namespace, out: Path, taken: Sequence[str] = ()) -> list[list[run_full.Server]]:
+    """The first wave's servers (less those --from-run took from an earlier run), then the sweep's, the single-user
+    plan's before stock's, booted WAVE_SERVERS at a time (ports never reused)."""
+    first = [c for c in fb.SCRIPTED_CONFIGS.values() if c.name not in taken]
+    sweep = sorted(fb.SCRIPTED_SWEEP.values(), key=lambda c: not c.patched)  # stable: the plan's first
+    configs = first + sweep
     out_waves, port = [], args.base_port
-    for configs in groups:
-        out_waves.append(build_servers(args, out, configs, port))
-        port += len(configs)
+    for i in range(0, len(configs), WAVE_SERVERS):
+        out_waves.append(build_servers(args, out, configs[i:i + WAVE_SERVERS], port))
+        port += len(out_waves[-1])
     return out_waves
 
 
@@ -813,18 +821,19 @@ def chisq_reference(rec: Record, out: Path, env: Mapping[str, str], args: argpar
         rec.phase(f"{name}: chisq rows", time.monotonic() - t0)
 
 
-def take_first_wave(rec: Record, report: Path) -> None:
+def take_first_wave(rec: Record, report: Path, servers: Sequence[str]) -> list[str]:
     """--from-run: the first wave's measurements and greedy answers from an earlier run on the same checkpoint, so
     that a visit can give all its time to the sweep: the report, and the answers in the folder named like it
-    (REPORT's stem, `<server>-greedy.json.gz`, as bench/results keeps them). Their checks are judged again here
-    against this run's predictions (the chi-square, whose rows stay with the earlier run, is not)."""
+    (REPORT's stem, `<server>-greedy.json.gz`, as bench/results keeps them), for the first-wave `servers` named.
+    Their checks are judged again here against this run's predictions (the chi-square, whose rows stay with the
+    earlier run, is not). Returns the servers taken."""
     earlier = json.loads(report.read_text())
     for dial in ("mtp_agree", "draft_coverage"):
         if earlier["checkpoint"].get(dial) != rec.data["checkpoint"].get(dial):
             raise CheckpointError(f"--from-run {report}: its checkpoint has {dial} {earlier['checkpoint'].get(dial)}, "
                                   f"this one {rec.data['checkpoint'].get(dial)}")
     folder, taken = report.with_suffix(""), []
-    for name in fb.SCRIPTED_CONFIGS:
+    for name in servers:
         answers = folder / f"{name}-greedy.json.gz"
         if name not in earlier["measurements"] or not answers.is_file():
             continue
@@ -835,6 +844,7 @@ def take_first_wave(rec: Record, report: Path) -> None:
         raise CheckpointError(f"--from-run {report}: no first-wave server with its answers in {folder}")
     rec.data["from_run"] = {"report": report.name, "date": earlier["date"], "gpu": earlier.get("gpu"), "servers": taken}
     rec.save()
+    return taken
 
 
 class CheckpointError(RuntimeError):
@@ -940,15 +950,15 @@ def run(args: argparse.Namespace) -> int:
                            "prefix_tokens": len(prompts.prefix)}
 
     # 2. the first wave boots (or comes from --from-run), and the prediction (the reference at full size) runs beside it
-    all_waves = waves(args, out)
+    taken: list[str] = []
     if args.from_run:
         try:
-            take_first_wave(rec, args.from_run)
+            taken = take_first_wave(rec, args.from_run, args.from_run_servers)
         except (CheckpointError, OSError, ValueError, KeyError) as err:
             rec.data["errors"]["from_run"] = f"{type(err).__name__}: {err}"
             rec.save()
             return 1
-        all_waves = all_waves[1:]
+    all_waves = waves(args, out, taken)
     predictors = [Predictor(PREDICTIONS[which], served_checkpoint(args, which == "patched"), out)
                   for which in ("stock", "patched")]
     take_predictions(rec, predictors, args, env, out)  # the first starts now
@@ -960,7 +970,7 @@ def run(args: argparse.Namespace) -> int:
     boot_s = LIMITS["boot"]
     try:
         for index, servers in enumerate(all_waves):
-            first = index == 0 and not args.from_run  # the first wave (the sweep's come after it)
+            first = index == 0  # the first wave's servers (with --from-run, those left) lead it
             if not first:  # a sweep wave: only when its boot and its servers' measures fit what is left
                 need = boot_s + len(servers) * SWEEP_SERVER_S
                 if deadline - time.monotonic() < need:
@@ -974,7 +984,7 @@ def run(args: argparse.Namespace) -> int:
             rec.phase(f"boot wave {index}", boot_s)
             for s in servers:
                 if s.state == "up":
-                    measure_one(s, rec, prompts, sampling, left, out, sweep=not first)
+                    measure_one(s, rec, prompts, sampling, left, out, sweep=s.cfg.name not in fb.SCRIPTED_CONFIGS)
                 predictions()
                 finish(rec, design, prompts.greedy)
             # the tools only where the chi-square rows and the patched sweep still fit after them
@@ -1128,6 +1138,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "them beside it): boot the sweep only")
     p.add_argument("--plot-only", type=Path, metavar="REPORT",
                    help="only the sweep's PNG beside REPORT, and its markdown table on stdout")
+    p.add_argument("--from-run-servers", type=lambda v: v.split(","), default=list(FROM_RUN_SERVERS),
+                   help="the first-wave servers --from-run takes (default %(default)s)")
     p.add_argument("--rejudge", action="store_true", help="judge OUT's finished run again from its files (CPU)")
     args = p.parse_args(argv)
     child = (args.predict is not None or args.chisq_rows is not None or args.only is not None or args.rejudge
@@ -1214,7 +1226,7 @@ def main(argv: list[str]) -> int:
         print(br.sweep_markdown(data["sweep"]))
         return 0
     if args.dry_run:
-        for wave in waves(args, args.out.resolve()):
+        for wave in waves(args, args.out.resolve(), args.from_run_servers if args.from_run else ()):
             for s in wave:
                 print(f"# {s.cfg.name} (port {s.port}): {s.cfg.what}\nPYTHONPATH={s.pythonpath} {s.cmd.shell()}")
         return 0

@@ -107,8 +107,8 @@ EXTRA_PARTS = {"scripted-stock": ("chisq", "prefix", "profile"), "scripted-stock
 QUALITY_TAG = "scripted-h200"
 PREFILL_AB_LENS = "1024,3072"  # within SCRIPTED_MAX_LEN
 SWEEP_SERVER_S = 60  # a sweep server's greedy, sampled and C1 parts
-# servers booted together: four of our MTP servers fit the H200 with their pools (visit 9: 15 GiB of weights and
-# 6.8 GiB of CUDA graphs each), five do not
+# servers booted together: four of our MTP servers and their pools fit the H200 (visit 9: 15 GiB of weights and
+# 6.8 GiB of CUDA graphs each); five would need about all of its memory
 WAVE_SERVERS = 4
 # what --from-run takes from an earlier run by default: the first-wave servers whose code the sampler change after
 # visit 9 left alone (the single-user plan's MTP server is booted again)

@@ -100,8 +100,9 @@ REFERENCE_CHECK_TOKENS = 64  # the float32 reference along the first greedy prom
 PREDICT_GRACE_S = 60  # after the first wave is up, how long measuring waits for the prediction
 # what each server measures beyond greedy, sampled (speculating servers) and c1
 # (stock's greedy-draft rule is the CPU test's; the GPU run samples MTP off and the product's probabilistic drafts)
-EXTRA_PARTS = {"scripted-stock": ("chisq", "prefix", "profile"), "scripted-stock-mtp4": ("profile",),
-               "scripted-patched-plain": ("profile",), "scripted-patched-mtp4": ("chisq", "prefix", "profile")}
+EXTRA_PARTS = {"scripted-stock": ("chisq", "prefix", "profile"), "scripted-stock-mtp4": ("profile", "host"),
+               "scripted-patched-plain": ("profile",), "scripted-patched-mtp4": ("chisq", "prefix", "profile", "host")}
+HOST_PROFILE_S = 10  # py-spy on the engine core while C1 answers stream (bench/host_profile.py)
 # the first wave's tools of issue #22, while all four servers are up: the quality battery's scripted check on
 # stock, real_rep on the plan without speculation, prefill_ab between the two (bench/README.md)
 QUALITY_TAG = "scripted-h200"
@@ -117,7 +118,7 @@ CHISQ_ROWS_S = 150  # the --chisq-rows child per server: ~1e5 tokens through the
 # time limits (s); budget: the whole run, from start to the last server stopped
 LIMITS = {"synth": 420, "prepare": 420, "predict": 600, "boot": 600, "greedy": 240, "sampled": 300, "c1": 240, "chisq": 240,
           "chisq_rows": 300,
-          "prefix": 120, "profile": 120, "quality": 120, "real_rep": 150, "prefill_ab": 180, "stop": 60}
+          "prefix": 120, "profile": 120, "host": 60, "quality": 120, "real_rep": 150, "prefill_ab": 180, "stop": 60}
 DEFAULT_BUDGET_S = 1380  # a 30-minute session less staging (~5 min), polling and packing
 
 
@@ -513,6 +514,21 @@ def measure_profile(client: serving.Client, model: str, prompt: list[int], sampl
         json.dump({**{k: v for k, v in trace.items() if k != "traceEvents"}, "traceEvents": kept}, dst)
     return {"tokens": run["tokens"], "chunks": run["chunks"], "trace": target.name, "events": len(events),
             "events_kept": len(kept), "trace_bytes": target.stat().st_size}
+
+
+def measure_host(server: run_full.Server, client: serving.Client, model: str, prompt: list[int],
+                 sampling: Mapping[str, float], out_dir: Path, name: str) -> dict:
+    """py-spy on the server's engine core for HOST_PROFILE_S while C1 answers stream: which Python the step waits
+    on (the summary here, the speedscope profile in out_dir)."""
+    from bench import host_profile
+
+    binary = host_profile.pyspy_binary()
+    pid = host_profile.engine_core_pid(server.proc.pid) if server.proc else None
+    if binary is None or pid is None:
+        return {"error": f"py-spy {binary or 'not found (tests/gpu/stage-extra.sh)'}, engine core pid {pid}"}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return host_profile.record_while(binary, pid, HOST_PROFILE_S, out_dir / f"{name}.pyspy.json",
+                                     lambda: stream_once(client, model, prompt, {**sampling, "max_tokens": MAX_TOKENS}))
 
 
 # ---------------------------------------------------------------- the run
@@ -1093,6 +1109,7 @@ def measure_one(server: run_full.Server, rec: Record, prompts: Prompts, sampling
              "prefix": lambda: measure_prefix(client, model, prompts.prefix),
              "profile": lambda: measure_profile(client, model, prompts.c1[0], sampling, out / f"traces-{name}",
                                                 out / "profiles", name)}
+    extra["host"] = lambda: measure_host(server, client, model, prompts.c1[0], sampling, out / "profiles", name)
     parts += [(part, extra[part]) for part in EXTRA_PARTS.get(name, ())]
     log(f"{name}: GPU before measuring (utilization, memory used): {run_full.gpu_state()}")
     for part, measure in parts:

@@ -33,9 +33,31 @@ PREFILL_CHUNK = 2048  # --max-num-batched-tokens in single-user mode (spec: larg
 
 KvDtype = Literal["auto", "fp8", "int8_per_token_head", "int4_per_token_head", "kvarn"]
 
+# KVarN (engine/kernels/kvarn.py has the format): one record per tile of 128 tokens and KV head holds 4-bit K
+# codes, 2-bit V codes and fp16 scales; a tile is written once whole, so its tokens wait 16-bit in a staging
+# pool beside the paged cache, as does every request's first tile (the attention sink).
+KVARN_TILE = 128
+KVARN_KEY_BITS, KVARN_VALUE_BITS = 4, 2
+
+
+def kvarn_record_bytes(head_dim: int = model.HEAD_DIM, tile: int = KVARN_TILE) -> int:
+    """One (tile, KV head) record: K codes + K row scale, row zero (per channel) and column scale (per token),
+    V codes + V row scale, row zero (per token) and column scale (per channel), the scales fp16; 8-aligned."""
+    codes = head_dim * tile * (KVARN_KEY_BITS + KVARN_VALUE_BITS) // 8
+    scales = 2 * (2 * head_dim + tile) + 2 * (2 * tile + head_dim)
+    return -(-(codes + scales) // 8) * 8
+
+
+def kvarn_staging_slots(max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """16-bit tiles the staging pool holds per layer: each request's sink and growing tile, the tiles one prefill
+    chunk can fill before they are quantized, and 32 spare; at least 64 (the reference port's sizing rule)."""
+    return max(2 * max_num_seqs + -(-max_num_batched_tokens // KVARN_TILE) + 32, 64)
+
 
 def kv_bytes_per_token_layer(kv_dtype: str, kv_heads: int = model.KV_HEADS, head_dim: int = model.HEAD_DIM) -> int:
     """Bytes one token occupies in one attention layer (K and V)."""
+    if kv_dtype == "kvarn":  # 210 bytes per KV head at head_dim 256: 840 for the 4 heads (bf16: 4096)
+        return kvarn_record_bytes(head_dim) * kv_heads // KVARN_TILE
     if kv_dtype == "auto":
         kv_dtype = model.DTYPE
     if kv_dtype in ("bfloat16", "float16", "fp8"):
@@ -74,6 +96,12 @@ class CacheShape:
     async_scheduling: bool = False  # two batches in flight: the window group keeps two chunks
     conv_spec_rows: bool = True  # vLLM 0.28.0 keeps k extra conv rows per GDN state; False drops them
     tp: int = 1  # cards: each holds its share of the KV heads and of the GDN channels, in a pool of its own
+    max_num_seqs: int = 1  # KVarN only: its staging pool holds two 16-bit tiles per request
+
+    @property
+    def block_alignment(self) -> int:
+        """The kernel block: KVarN's tile (one block must hold whole tiles), 16 tokens for the others."""
+        return KVARN_TILE if self.kv_dtype == "kvarn" else KERNEL_BLOCK_ALIGNMENT
 
     @property
     def kv_bytes_per_token_layer(self) -> int:
@@ -84,10 +112,10 @@ class CacheShape:
     def block_size(self) -> int:
         """Attention block size: the smallest multiple of 16 tokens whose page holds one GDN state. Both halve
         together under TP, so the block size is the one card's."""
-        step = KERNEL_BLOCK_ALIGNMENT * self.kv_bytes_per_token_layer
+        step = self.block_alignment * self.kv_bytes_per_token_layer
         state = gdn_state_bytes_per_layer(self.state_dtype, self.spec_tokens if self.conv_spec_rows else 0,
                                           tp=self.tp)
-        return KERNEL_BLOCK_ALIGNMENT * math.ceil(state / step)
+        return self.block_alignment * math.ceil(state / step)
 
     @property
     def page_bytes(self) -> int:
@@ -151,10 +179,20 @@ class CacheShape:
             blocks += self.groups["window"] * min(self.window_blocks, math.ceil(max_len / self.block_size) + 1)
         return blocks
 
+    def staging_bytes(self) -> int:
+        """KVarN: the 16-bit staging pool, taken out of KV_MEM before the blocks are counted, on one card: its
+        slots in every KV-caching layer (the target's attention, the MTP layer, the drafter's window layers,
+        whose 8 x 128 heads hold as much as the target's 4 x 256). 0 for the other caches."""
+        if self.kv_dtype != "kvarn":
+            return 0
+        slot = KVARN_TILE * (model.KV_HEADS // self.tp) * model.HEAD_DIM * 2 * model.DTYPE_BYTES["float16"]
+        layers = sum(self.buckets.values()) - self.buckets["gdn"]
+        return kvarn_staging_slots(self.max_num_seqs, self.max_num_batched_tokens) * slot * layers
+
     def num_blocks(self, kv_mem: int) -> int:
         """Blocks of a pool of kv_mem bytes per card (vLLM's --kv-cache-memory-bytes is per card; every card
         holds the same block ids, each its share of every page)."""
-        return kv_mem // self.page_bytes // self.group_size
+        return max(0, kv_mem - self.staging_bytes()) // self.page_bytes // self.group_size
 
     def pool_tokens(self, kv_mem: int, max_len: int) -> int:
         """The 'GPU KV cache size: N tokens' line vLLM 0.28.0 prints at boot."""

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     impl = args.impl or ("triton" if device == "cuda" else "reference")
     facts = machine_facts()
     tag = "cpu" if device == "cpu" else facts["gpu"].get("name", "gpu").split()[-1].lower()
-    report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "device": device,
+    report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "device": device,
               "impl": impl, "machine": facts, "versions": versions(),
               "data": str(args.kv_file) if args.kv_file else "synthetic (see bench/kv_fidelity.py)",
               "shape": {"q_heads": model.Q_HEADS, "kv_heads": model.KV_HEADS, "head_dim": model.HEAD_DIM},

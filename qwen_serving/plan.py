@@ -537,7 +537,7 @@ def _cache_lines(cache: memory.CacheShape, v: Values, sized: Sized) -> list[Deri
                      + (", + the drafter's window" if v.spec == "dflash2" else ""))]
     if cache.staging_bytes():
         lines.append(Derived("KVarN staging pool", f"{cache.staging_bytes() / memory.MiB:.0f} MiB{_per_card(v.tp)}",
-                             "16-bit sink and growing tiles, taken out of KV_MEM (memory.kvarn_staging_slots)"))
+                             "16-bit sink and growing tiles, beside KV_MEM (memory.kvarn_staging_slots)"))
     if sized.kv_mem is not None:
         lines += _pool_lines(cache, sized.kv_mem, sized.max_len, v.max_seqs)
     return lines

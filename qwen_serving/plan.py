@@ -455,7 +455,7 @@ def _size_pool(v: Values, model: str, probe: Probe, notes: list[str],
     cache = memory.CacheShape(kv_dtype=kv_dtype, state_dtype=v.state_dtype, spec=v.spec,
                               spec_tokens=_spec_tokens(v), prefix_cache=bool(v.prefix_cache),
                               async_scheduling=bool(v.async_sched), max_num_batched_tokens=batched_tokens or VLLM_BATCHED_TOKENS,
-                              tp=v.tp, max_num_seqs=v.max_seqs)  # max_num_seqs: KVarN's staging pool (memory.py)
+                              tp=v.tp, max_num_seqs=v.max_seqs if kv_dtype == HUGE_KV else 1)  # only KVarN's staging reads it
     weights = memory.weights_bytes(v.spec, fast_variant=(model == FAST_MODEL), vision=bool(v.vision), tp=v.tp)
     encoder_cache = _encoder_cache(v.mode, bool(v.vision))
     if v.vision:

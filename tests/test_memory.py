@@ -244,3 +244,21 @@ def test_auto_kv_mem_on_a_24_gib_card():
     assert 4.9 * GiB < pool < 5.6 * GiB
     assert pool % memory.MiB == 0
     assert memory.auto_kv_mem(int(12 * GiB), memory.weights_bytes("dflash2")) == 0
+
+
+@pytest.mark.parametrize("env", [{"CTX": "huge", "KV_MEM": "5GiB"}, {"CTX": "huge", "SPEC": "dflash2", "PREFIX_CACHE": "1"}])
+def test_plan_prints_the_kvarn_pool(tmp_path, env):
+    """With KVarN in the series, the plan of CTX=huge carries its pool: the memory model's KVarN figures."""
+    from qwen_serving import knobs, plan, vllm_028
+
+    drafter = tmp_path / knobs.DFLASH2_DRAFTER
+    drafter.mkdir(parents=True)
+    (drafter / "config.json").write_text("{}")
+    p = plan.build("single", env, plan.Probe(repo=tmp_path, kv_dtypes=vllm_028.KV_CACHE_DTYPES | {"kvarn"}))
+    assert p.cache.kv_dtype == "kvarn" and p.cache.kv_bytes_per_token_layer == 840
+    derived = {d.name: d.value for d in p.derived}
+    max_len, kv_mem = p.value("MAX_LEN"), p.kv_mem
+    assert derived["pool"].startswith(f"{p.cache.pool_tokens(kv_mem, max_len):,} tokens at {max_len:,}")
+    assert derived["longest context"] == f"{p.cache.longest_context(kv_mem):,} tokens"
+    assert derived["KVarN staging pool"] == f"{p.cache.staging_bytes() / memory.MiB:.0f} MiB"
+    assert derived["block size"] == f"{p.cache.block_size} tokens" and p.cache.block_size % 128 == 0

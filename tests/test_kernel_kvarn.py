@@ -51,8 +51,8 @@ def test_round_trip_within_half_a_step(bits):
 
 def test_balance_evens_out_row_and_column_spread():
     x = _tiles(8, 64, 32, seed=5)
-    before = kvarn._spread(x)
-    after = kvarn._spread(kvarn.balance_reference(x)[0])
+    before = kvarn.spread(x)
+    after = kvarn.spread(kvarn.balance_reference(x)[0])
     assert (after <= before).all() and after.mean() < 0.5 * before.mean()
     assert (after >= 2.0 - 1e-4).all()  # 2 is a perfectly balanced tile
 

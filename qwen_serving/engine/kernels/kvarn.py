@@ -149,7 +149,7 @@ def _std(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.std(dim=dim, unbiased=True)
 
 
-def _spread(x: torch.Tensor) -> torch.Tensor:
+def spread(x: torch.Tensor) -> torch.Tensor:
     """max/min column std + max/min row std per tile (2 when perfectly balanced)."""
     col, row = _std(x, 1), _std(x, 2)
     return col.amax(-1) / col.amin(-1).clamp_min(1e-8) + row.amax(-1) / row.amin(-1).clamp_min(1e-8)
@@ -161,18 +161,18 @@ def balance_reference(tiles: torch.Tensor, rounds: int = SINKHORN_ROUNDS) -> tup
     x = tiles.float()
     log_row = x.new_zeros(x.shape[:2])
     log_col = x.new_zeros(x.shape[0], x.shape[2])
-    best_row, best_col, best = log_row.exp(), log_col.exp(), _spread(x)
+    best_row, best_col, best = log_row.exp(), log_col.exp(), spread(x)
     for _ in range(rounds):
         cur = x / log_row.exp()[..., None] / log_col.exp()[:, None, :]
         log_col = (log_col + _std(cur, 1).clamp(*STD_CLIP).log()).clamp(*LOG_SCALE_CLIP)
         cur = x / log_row.exp()[..., None] / log_col.exp()[:, None, :]
         log_row = (log_row + _std(cur, 2).clamp(*STD_CLIP).log()).clamp(*LOG_SCALE_CLIP)
         row, col = log_row.exp(), log_col.exp()
-        spread = _spread(x / row[..., None] / col[:, None, :])
-        better = spread <= best
+        now = spread(x / row[..., None] / col[:, None, :])
+        better = now <= best
         best_row = torch.where(better[:, None], row, best_row)
         best_col = torch.where(better[:, None], col, best_col)
-        best = torch.where(better, spread, best)
+        best = torch.where(better, now, best)
     return x / best_row[..., None] / best_col[:, None, :], best_row, best_col
 
 
@@ -275,11 +275,11 @@ def _quantize_tile_kernel(src_ptr, rec_ptr, src_stride, rec_stride, codes_off, r
         log_row = tl.minimum(tl.maximum(log_row, LOG_MIN), LOG_MAX)
         row = tl.exp(log_row)
         col = tl.exp(log_col)
-        spread = _spread_tl(x / row[:, None] / col[None, :], R, C)
-        better = spread <= best
+        now = _spread_tl(x / row[:, None] / col[None, :], R, C)
+        better = now <= best
         best_row = tl.where(better, row, best_row)
         best_col = tl.where(better, col, best_col)
-        best = tl.where(better, spread, best)
+        best = tl.where(better, now, best)
     bal = x / best_row[:, None] / best_col[None, :]
     lo = tl.min(bal, axis=1)
     step = tl.maximum((tl.max(bal, axis=1) - lo) / ((1 << BITS) - 1), MIN_STEP)

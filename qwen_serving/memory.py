@@ -33,9 +33,34 @@ PREFILL_CHUNK = 2048  # --max-num-batched-tokens in single-user mode (spec: larg
 
 KvDtype = Literal["auto", "fp8", "int8_per_token_head", "int4_per_token_head", "kvarn"]
 
+# KVarN (engine/kernels/kvarn.py has the format): one record per tile of 128 tokens and KV head holds 4-bit K
+# codes, 2-bit V codes and fp16 scales; a tile is written once whole, so its tokens wait 16-bit in a staging
+# pool, as does every request's first tile (the attention sink). As in the spec's port: the paged cache is
+# KV_MEM exactly and the staging pool sits beside it (allocated in the profile run, like activations); the
+# DFlash2 drafter's sliding-window layers stay bf16 (KVarN has no window path), in 128-token blocks.
+KVARN_TILE = 128
+KVARN_KEY_BITS, KVARN_VALUE_BITS = 4, 2
+
+
+def kvarn_record_bytes(head_dim: int = model.HEAD_DIM, tile: int = KVARN_TILE) -> int:
+    """One (tile, KV head) record: K codes + K row scale, row zero (per channel) and column scale (per token),
+    V codes + V row scale, row zero (per token) and column scale (per channel), the scales fp16; 8-aligned."""
+    codes = head_dim * tile * (KVARN_KEY_BITS + KVARN_VALUE_BITS) // 8
+    scales = 2 * (2 * head_dim + tile) + 2 * (2 * tile + head_dim)
+    return -(-(codes + scales) // 8) * 8
+
+
+def kvarn_staging_slots(max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """16-bit tiles the staging pool holds per layer: each request's sink and growing tile, the tiles one prefill
+    chunk can fill before they are quantized, and 8 spare; at least 8 (the spec port's rule; upstream KVarN
+    keeps 32 spare and at least 64)."""
+    return max(2 * max_num_seqs + -(-max_num_batched_tokens // KVARN_TILE) + 8, 8)
+
 
 def kv_bytes_per_token_layer(kv_dtype: str, kv_heads: int = model.KV_HEADS, head_dim: int = model.HEAD_DIM) -> int:
     """Bytes one token occupies in one attention layer (K and V)."""
+    if kv_dtype == "kvarn":  # 210 bytes per KV head at head_dim 256: 840 for the 4 heads (bf16: 4096)
+        return kvarn_record_bytes(head_dim) * kv_heads // KVARN_TILE
     if kv_dtype == "auto":
         kv_dtype = model.DTYPE
     if kv_dtype in ("bfloat16", "float16", "fp8"):
@@ -74,6 +99,12 @@ class CacheShape:
     async_scheduling: bool = False  # two batches in flight: the window group keeps two chunks
     conv_spec_rows: bool = True  # vLLM 0.28.0 keeps k extra conv rows per GDN state; False drops them
     tp: int = 1  # cards: each holds its share of the KV heads and of the GDN channels, in a pool of its own
+    max_num_seqs: int = 1  # KVarN only: its staging pool holds two 16-bit tiles per request
+
+    @property
+    def block_alignment(self) -> int:
+        """The kernel block: KVarN's tile (one block must hold whole tiles), 16 tokens for the others."""
+        return KVARN_TILE if self.kv_dtype == "kvarn" else KERNEL_BLOCK_ALIGNMENT
 
     @property
     def kv_bytes_per_token_layer(self) -> int:
@@ -84,10 +115,10 @@ class CacheShape:
     def block_size(self) -> int:
         """Attention block size: the smallest multiple of 16 tokens whose page holds one GDN state. Both halve
         together under TP, so the block size is the one card's."""
-        step = KERNEL_BLOCK_ALIGNMENT * self.kv_bytes_per_token_layer
+        step = self.block_alignment * self.kv_bytes_per_token_layer
         state = gdn_state_bytes_per_layer(self.state_dtype, self.spec_tokens if self.conv_spec_rows else 0,
                                           tp=self.tp)
-        return KERNEL_BLOCK_ALIGNMENT * math.ceil(state / step)
+        return self.block_alignment * math.ceil(state / step)
 
     @property
     def page_bytes(self) -> int:
@@ -128,7 +159,7 @@ class CacheShape:
     def window_blocks(self) -> int:
         """Blocks a window group keeps per request (vLLM's admission cap for sliding windows)."""
         in_flight = (2 if self.async_scheduling else 1) * self.max_num_batched_tokens
-        return math.ceil((model.DRAFTER_WINDOW - 1 + in_flight) / self.block_size) + 1
+        return math.ceil((model.DRAFTER_WINDOW - 1 + in_flight) / self.window_block_size) + 1
 
     def resident_blocks(self) -> int:
         """Blocks a request holds before it stores one token: state pages (+ the drafter's window)."""
@@ -148,8 +179,28 @@ class CacheShape:
         """What vLLM reserves per request at max_len (the capacity report's divisor)."""
         blocks = self.context_blocks(max_len) + self.groups["gdn"] * self.state_blocks_per_group
         if "window" in self.groups:
-            blocks += self.groups["window"] * min(self.window_blocks, math.ceil(max_len / self.block_size) + 1)
+            blocks += self.groups["window"] * min(self.window_blocks, math.ceil(max_len / self.window_block_size) + 1)
         return blocks
+
+    @property
+    def window_block_size(self) -> int:
+        """Tokens per block of the drafter's window group. Its bf16 pages are padded to the shared page, so vLLM
+        gives them as many tokens as fit; under KVarN the block must also divide the attention block in whole
+        tiles (the spec port's kernel-block rule), which at every draft length here leaves one tile."""
+        if self.kv_dtype != "kvarn":
+            return self.block_size
+        fit = self.page_bytes // kv_bytes_per_token_layer("auto", model.DRAFTER_KV_HEADS // self.tp,
+                                                          model.DRAFTER_HEAD_DIM)
+        return max(d for d in range(KVARN_TILE, max(fit, KVARN_TILE) + 1, KVARN_TILE) if self.block_size % d == 0)
+
+    def staging_bytes(self) -> int:
+        """KVarN: the 16-bit staging pool on one card, beside KV_MEM: its slots (a tile of bf16 K and V each) in
+        the target's attention layers and the MTP layer. 0 for the other caches."""
+        if self.kv_dtype != "kvarn":
+            return 0
+        slot = KVARN_TILE * (model.KV_HEADS // self.tp) * model.HEAD_DIM * 2 * model.DTYPE_BYTES[model.DTYPE]
+        layers = self.buckets["attention"]
+        return kvarn_staging_slots(self.max_num_seqs, self.max_num_batched_tokens) * slot * layers
 
     def num_blocks(self, kv_mem: int) -> int:
         """Blocks of a pool of kv_mem bytes per card (vLLM's --kv-cache-memory-bytes is per card; every card
@@ -188,8 +239,9 @@ class CacheShape:
         tokens = prompt + answer + self.spec_tokens
         per = self.context_blocks(tokens) + self.groups["gdn"] * self.state_blocks_per_group
         if "window" in self.groups:
-            decode_cap = math.ceil((model.DRAFTER_WINDOW - 1 + self.spec_tokens + 1) / self.block_size) + 1
-            per += self.groups["window"] * min(decode_cap, math.ceil(tokens / self.block_size) + 1)
+            wbs = self.window_block_size
+            decode_cap = math.ceil((model.DRAFTER_WINDOW - 1 + self.spec_tokens + 1) / wbs) + 1
+            per += self.groups["window"] * min(decode_cap, math.ceil(tokens / wbs) + 1)
         return usable // per
 
 

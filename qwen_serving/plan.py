@@ -452,12 +452,10 @@ def _size_pool(v: Values, model: str, probe: Probe, notes: list[str],
         _refuse(f"{what} needs the KVarN long-context KV cache, which vLLM {vllm_028.VERSION} does not have (the KVarN "
                 f"cache is not built yet); set {other}")
     batched_tokens = memory.PREFILL_CHUNK if v.mode == "single" else None
-    cache = None
-    if kv_dtype != HUGE_KV:
-        cache = memory.CacheShape(kv_dtype=kv_dtype, state_dtype=v.state_dtype, spec=v.spec,
-                                  spec_tokens=_spec_tokens(v), prefix_cache=bool(v.prefix_cache),
-                                  async_scheduling=bool(v.async_sched), max_num_batched_tokens=batched_tokens or VLLM_BATCHED_TOKENS,
-                                  tp=v.tp)
+    cache = memory.CacheShape(kv_dtype=kv_dtype, state_dtype=v.state_dtype, spec=v.spec,
+                              spec_tokens=_spec_tokens(v), prefix_cache=bool(v.prefix_cache),
+                              async_scheduling=bool(v.async_sched), max_num_batched_tokens=batched_tokens or VLLM_BATCHED_TOKENS,
+                              tp=v.tp, max_num_seqs=v.max_seqs if kv_dtype == HUGE_KV else 1)  # only KVarN's staging reads it
     weights = memory.weights_bytes(v.spec, fast_variant=(model == FAST_MODEL), vision=bool(v.vision), tp=v.tp)
     encoder_cache = _encoder_cache(v.mode, bool(v.vision))
     if v.vision:
@@ -530,12 +528,16 @@ def _spec_tokens(v: Values) -> int:
 def _cache_lines(cache: memory.CacheShape, v: Values, sized: Sized) -> list[Derived]:
     """What the pool holds: block size, groups, the state page per resident, and the pool itself."""
     lines = [Derived("block size", f"{cache.block_size} tokens",
-                     "smallest multiple of 16 whose page holds one GDN state (vLLM hybrid alignment)"),
+                     f"smallest multiple of {cache.block_alignment} whose page holds one GDN state (vLLM hybrid "
+                     "alignment)"),
              Derived("KV groups", cache.groups, f"{cache.group_size} layers per group"),
              Derived("state page per resident", _gib(cache.resident_bytes()) + _per_card(v.tp),
                      f"(1+k) GDN state pages, k={_spec_tokens(v)}"
                      + (", +1 for prefix caching" if v.prefix_cache else "")
                      + (", + the drafter's window" if v.spec == "dflash2" else ""))]
+    if cache.staging_bytes():
+        lines.append(Derived("KVarN staging pool", f"{cache.staging_bytes() / memory.MiB:.0f} MiB{_per_card(v.tp)}",
+                             "16-bit sink and growing tiles, beside KV_MEM (memory.kvarn_staging_slots)"))
     if sized.kv_mem is not None:
         lines += _pool_lines(cache, sized.kv_mem, sized.max_len, v.max_seqs)
     return lines

@@ -161,6 +161,71 @@ def test_prefix_cache_costs_one_state_page_per_group():
     assert within(drop, 1 - 68_605 / 69_758, 0.15)
 
 
+# ---- KVarN (CTX=huge / KV=kvarn) ----
+KV_MEM_HUGE = 5_261_334_937  # knobs.KV_MEM_PINNED_HUGE: the spec's pinned CTX=huge pool
+
+
+def test_kvarn_bytes_per_token_are_the_kernel_layouts():
+    """memory.py (standard library) and engine/kernels/kvarn.py (the record the kernels write) agree."""
+    from qwen_serving.engine.kernels.kvarn import KvarnLayout
+
+    assert memory.kvarn_record_bytes() == KvarnLayout().record_bytes == 26_880
+    assert memory.kv_bytes_per_token_layer("kvarn") == KvarnLayout().bytes_per_token(model.KV_HEADS) == 840
+    assert memory.kv_bytes_per_token_layer("kvarn", kv_heads=2) == 420  # TP=2
+    # a fifth of bf16's 4 KiB, 80% of vLLM's int4 per-token-head
+    assert memory.kv_bytes_per_token_layer("auto") / 840 == pytest.approx(4.876, abs=1e-3)
+    assert 840 / memory.kv_bytes_per_token_layer("int4_per_token_head") == pytest.approx(0.795, abs=1e-3)
+
+
+def test_kvarn_blocks_are_whole_tiles():
+    """A block must hold whole 128-token tiles: the GDN state sets how many (13.2 and 15.1 tiles' worth at k=3
+    and k=7 -> 16 and 17 tiles)."""
+    mtp = CacheShape(kv_dtype="kvarn", spec="mtp", spec_tokens=3)
+    dflash = CacheShape(kv_dtype="kvarn", spec="dflash2", spec_tokens=7, prefix_cache=True)
+    assert (mtp.block_size, dflash.block_size) == (2048, 2176)
+    assert CacheShape(kv_dtype="fp8").block_alignment == 16
+    for shape in (mtp, dflash):
+        state = memory.gdn_state_bytes_per_layer("float16", shape.spec_tokens)
+        assert shape.page_bytes >= state > shape.page_bytes - 128 * 840
+
+
+def test_kvarn_staging_pool_sits_beside_kv_mem():
+    """Two 16-bit tiles per request, the tiles of one prefill chunk and 8 spare (at least 8); a slot is a 128-token
+    bf16 tile of K and V (512 KiB per layer) in the target's attention layers and the MTP layer. It does not
+    shrink the paged pool: that is KV_MEM exactly."""
+    assert memory.kvarn_staging_slots(2, 2048) == 28 and memory.kvarn_staging_slots(16, 8192) == 104
+    slot = 128 * model.KV_HEADS * model.HEAD_DIM * 4
+    mtp = CacheShape(kv_dtype="kvarn", spec="mtp", spec_tokens=3, max_num_seqs=2)
+    assert mtp.staging_bytes() == 28 * slot * (model.ATTN_LAYERS + model.MTP_LAYERS) == 238 * memory.MiB
+    dflash = CacheShape(kv_dtype="kvarn", spec="dflash2", spec_tokens=7, max_num_seqs=2)
+    assert dflash.staging_bytes() == 28 * slot * model.ATTN_LAYERS  # the drafter's layers stay bf16
+    assert CacheShape(kv_dtype="fp8").staging_bytes() == 0
+    tp2 = CacheShape(kv_dtype="kvarn", spec="mtp", spec_tokens=3, max_num_seqs=2, tp=2)
+    assert tp2.staging_bytes() * 2 == mtp.staging_bytes()
+    assert mtp.num_blocks(KV_MEM_HUGE) == KV_MEM_HUGE // mtp.block_bytes
+
+
+def test_kvarn_drafter_window_blocks_are_one_tile():
+    """The drafter's bf16 window layers get 128-token blocks (a whole tile that divides 2176 = 17 x 128): 33 of
+    them per request (the 2,048-token window plus a 2,048-token prefill chunk) instead of 3 at 2176."""
+    dflash = CacheShape(kv_dtype="kvarn", spec="dflash2", spec_tokens=7, prefix_cache=True, max_num_seqs=2)
+    assert (dflash.window_block_size, dflash.window_blocks) == (128, 33)
+    assert DFLASH.window_block_size == DFLASH.block_size  # bf16 caches: the window shares the attention block
+
+
+def test_kvarn_dflash2_pool_at_the_pinned_huge_budget():
+    """Spec, SPEC=dflash2 CTX=huge PREFIX_CACHE=1 (two seats) on the pinned 4.90 GiB: 268,169 tokens of pool at
+    245,760 max-model-len; above 7 drafts 245,760 does not boot, 221,184 does and 229,376 is 1% short.
+    The model: 281,878 at k=7 (+5.1%: a miss the model does not explain; the block size, 2176, is the spec's
+    own), and at k=15 the longest context is 225,280: between the spec's 221,184 and 229,376."""
+    k7 = CacheShape(kv_dtype="kvarn", spec="dflash2", spec_tokens=7, prefix_cache=True, max_num_seqs=2)
+    assert within(k7.pool_tokens(KV_MEM_HUGE, 245_760), 268_169, 0.06)
+    assert k7.fits(KV_MEM_HUGE, 245_760) and k7.longest_context(KV_MEM_HUGE) >= 262_144
+    k15 = CacheShape(kv_dtype="kvarn", spec="dflash2", spec_tokens=15, prefix_cache=True, max_num_seqs=2)
+    assert k15.block_size == 2432 and not k15.fits(KV_MEM_HUGE, 245_760)
+    assert 221_184 <= k15.longest_context(KV_MEM_HUGE) < 229_376
+
+
 def test_weights_from_the_architecture():
     """Spec: lm_head and embed_tokens 2.5 GB each in bf16, MTP module 850 MB bf16, ~2.6 GB freed."""
     table = model.VOCAB * model.HIDDEN
@@ -179,3 +244,21 @@ def test_auto_kv_mem_on_a_24_gib_card():
     assert 4.9 * GiB < pool < 5.6 * GiB
     assert pool % memory.MiB == 0
     assert memory.auto_kv_mem(int(12 * GiB), memory.weights_bytes("dflash2")) == 0
+
+
+@pytest.mark.parametrize("env", [{"CTX": "huge", "KV_MEM": "5GiB"}, {"CTX": "huge", "SPEC": "dflash2", "PREFIX_CACHE": "1"}])
+def test_plan_prints_the_kvarn_pool(tmp_path, env):
+    """With KVarN in the series, the plan of CTX=huge carries its pool: the memory model's KVarN figures."""
+    from qwen_serving import knobs, plan, vllm_028
+
+    drafter = tmp_path / knobs.DFLASH2_DRAFTER
+    drafter.mkdir(parents=True)
+    (drafter / "config.json").write_text("{}")
+    p = plan.build("single", env, plan.Probe(repo=tmp_path, kv_dtypes=vllm_028.KV_CACHE_DTYPES | {"kvarn"}))
+    assert p.cache.kv_dtype == "kvarn" and p.cache.kv_bytes_per_token_layer == 840
+    derived = {d.name: d.value for d in p.derived}
+    max_len, kv_mem = p.value("MAX_LEN"), p.kv_mem
+    assert derived["pool"].startswith(f"{p.cache.pool_tokens(kv_mem, max_len):,} tokens at {max_len:,}")
+    assert derived["longest context"] == f"{p.cache.longest_context(kv_mem):,} tokens"
+    assert derived["KVarN staging pool"] == f"{p.cache.staging_bytes() / memory.MiB:.0f} MiB"
+    assert derived["block size"] == f"{p.cache.block_size} tokens" and p.cache.block_size % 128 == 0

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from qwen_serving import model
+from qwen_serving.engine.kernels.draft_sample import MAX_CANDIDATES, sample_draft, sample_draft_reference
 from qwen_serving.engine.kernels.lookup import lookup_draft, lookup_draft_reference
 from qwen_serving.engine.kernels.prefill_int8_attn import prefill_attention_reference, prefill_int8_attention
 from qwen_serving.engine.kernels.spec_attn import SpecAttention, spec_attention_reference
@@ -124,6 +125,24 @@ def _paged(seq_lens, q_lens, page, seed=0):
     q = torch.randn(int(qsl[-1]), HQ, HEAD_DIM, device="cuda", generator=gen).bfloat16()
     seq = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     return q, kv, block_table, seq, qsl
+
+
+@pytest.mark.parametrize("width", [3707, 40960])
+def test_draft_sample_matches_reference_at_draft_vocab_sizes(width):
+    # the draft head's K columns (the scripted checkpoint's 3,707, the spec's ~40k) into the full vocabulary
+    gen = torch.Generator().manual_seed(width)
+    rows, vocab = 8, model.VOCAB
+    logits = (torch.randn(rows, width, generator=gen) * 3).to(torch.bfloat16)
+    ids = torch.randperm(vocab, generator=gen)[:width].sort().values
+    temperature = torch.tensor([0.0, 0.6, 0.6, 1.0, 0.8, 0.6, 1.2, 0.6])
+    top_k = torch.tensor([20, 20, 1, 5, 100, 20, 20, 64])
+    top_p = torch.tensor([0.95, 0.95, 1.0, 0.5, 0.9, 0.2, 1.0, 0.95])
+    noise = torch.empty(rows, MAX_CANDIDATES).exponential_(generator=gen)
+    tokens, probs = sample_draft(logits.cuda(), ids.cuda(), vocab, temperature.cuda(), top_k.cuda(), top_p.cuda(),
+                                 noise.cuda())
+    want_tokens, want_probs = sample_draft_reference(logits, ids, vocab, temperature, top_k, top_p, noise)
+    assert torch.equal(tokens.cpu(), want_tokens)
+    torch.testing.assert_close(probs.cpu(), want_probs, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("q_len,page", [(5, 16), (16, 16), (5, 528)])

@@ -118,8 +118,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
 # The scripted checkpoint's servers (bench/gpu/scripted_mtp.py: speculation on accepted drafts, issue #16). A
 # short context keeps the pools small, so a wave boots side by side. The first wave: stock without and with MTP
 # k=4, the single-user plan without and with it; 16 seats each, for the chi-square batches (pools: each seats the
-# 8 requests of the greedy batch at once, memory.CacheShape.residents at 260 + 512 tokens). Then the k sweep,
-# one wave per stack (SCRIPTED_SWEEP). Raw logits in the logprobs: the near-tie rule (tests/gpu/smoke_lib.py)
+# 8 requests of the greedy batch at once, memory.CacheShape.residents at 260 + 512 tokens). Then a variant
+# (SCRIPTED_VARIANTS) and the k sweep (SCRIPTED_SWEEP), the plan's servers before stock's. Raw logits in the logprobs: the near-tie rule (tests/gpu/smoke_lib.py)
 # reads logit gaps on the bf16 scale. The patched servers are the single-user plan as it stands (probabilistic
 # drafts, fp16 state, its prefill chunk, the draft head when the checkpoint they serve has one:
 # bench/gpu/scripted_mtp.py serves them the prepared copy), less the tool parser (its ijson dependency is staged
@@ -147,7 +147,14 @@ SCRIPTED_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     _scripted("scripted-patched-mtp4", True, {**_patched_mtp(4), **_pool(8, 16)},
               "the patch series as the single-user plan runs it: MTP k=4, probabilistic drafts"),
 )}
-# the smallest pool (GB) that seats the greedy batch at each k: a wave of five fits the H200 beside the weights
+# Beside the sweep: the plan at k=4 with vLLM's FlashAttention for the verify step (SPEC_ATTN=0), to set the
+# split-KV kernel's step cost and CUDA-graph memory against it in situ (visit 9: our k=4 server's graphs took
+# 6.8 GiB, stock's 0.4).
+SCRIPTED_VARIANTS: dict[str, BenchConfig] = {c.name: c for c in (
+    _scripted("scripted-patched-mtp4-fa", True, {**_patched_mtp(4), "SPEC_ATTN": "0", **_pool(5, 8)},
+              "the single-user plan, MTP k=4, verify attention on vLLM's FlashAttention (SPEC_ATTN=0)"),
+)}
+# the smallest pool (GB) that seats the greedy batch at each k (bench/gpu/scripted_mtp.py boots four a wave)
 SWEEP_POOL_GB = {"patched": {1: 3, 2: 4, 3: 4, 5: 6, 7: 8}, "stock": {1: 5, 2: 6, 3: 8, 5: 11, 7: 14}}
 SCRIPTED_SWEEP: dict[str, BenchConfig] = {c.name: c for c in (
     *(_scripted(f"scripted-patched-mtp{k}", True, {**_patched_mtp(k), **_pool(SWEEP_POOL_GB["patched"][k], 8)},

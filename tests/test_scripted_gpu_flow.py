@@ -52,7 +52,7 @@ def _command(cfg: fb.BenchConfig, port: int = 18060, ckpt: Path = CKPT) -> fb.Se
 
 def test_scripted_servers_are_plans_that_vllm_serve_parses(vllm_cli):
     methods = {}
-    for name, cfg in {**fb.SCRIPTED_CONFIGS, **fb.SCRIPTED_SWEEP}.items():
+    for name, cfg in {**fb.SCRIPTED_CONFIGS, **fb.SCRIPTED_VARIANTS, **fb.SCRIPTED_SWEEP}.items():
         assert name not in fb.CONFIGS  # run_full.py's configs (and their recorded commands) stay as they were
         served = fb.serve_plan(cfg, ckpt=CKPT, port=18060, traces=TRACES, probe=Probe.detect(REPO))
         assert not served.warnings, served.warnings
@@ -70,11 +70,12 @@ def test_scripted_servers_are_plans_that_vllm_serve_parses(vllm_cli):
         methods[name] = None if spec is None else (spec["num_speculative_tokens"], spec["draft_sample_method"])
         assert sm.draft_sample(cmd) == (None if spec is None else spec["draft_sample_method"])
     assert methods == {"scripted-stock": None, "scripted-stock-mtp4": (4, "greedy"), "scripted-patched-plain": None,
-                       "scripted-patched-mtp4": (4, "probabilistic"),
+                       "scripted-patched-mtp4": (4, "probabilistic"), "scripted-patched-mtp4-fa": (4, "probabilistic"),
                        **{f"scripted-patched-mtp{k}": (k, "probabilistic") for k in fb.SCRIPTED_SWEEP_K},
                        **{f"scripted-stock-mtp{k}": (k, "greedy") for k in fb.SCRIPTED_SWEEP_K}}
     patched = _command(fb.SCRIPTED_CONFIGS["scripted-patched-mtp4"])
     assert patched.env["VLLM_MTP_DRAFT_VOCAB"] == "0" and patched.env["VLLM_SPEC_DECODE_ATTN"] == "1"
+    assert "VLLM_SPEC_DECODE_ATTN" not in _command(fb.SCRIPTED_VARIANTS["scripted-patched-mtp4-fa"]).env
     ns, ea = vllm_cli.serve(patched.argv)
     assert ea.mamba_ssm_cache_dtype == "float16" and ea.max_num_batched_tokens == 2048  # the single-user plan's
     assert not ns.enable_auto_tool_choice and ns.tool_call_parser is None  # TOOLS=0: no ijson needed on the device
@@ -88,7 +89,7 @@ def test_dry_run_prints_every_wave(tmp_path):
                          timeout=120)
     assert res.returncode == 0, res.stderr
     commands = [line for line in res.stdout.splitlines() if line.startswith("PYTHONPATH=")]
-    patched = ["PYTHONPATH=/p:/s"] * len(fb.SCRIPTED_SWEEP_K)
+    patched = ["PYTHONPATH=/p:/s"] * (len(fb.SCRIPTED_VARIANTS) + len(fb.SCRIPTED_SWEEP_K))
     stock = ["PYTHONPATH=/s"] * len(fb.SCRIPTED_SWEEP_K)
     assert [c.split()[0] for c in commands] == ["PYTHONPATH=/s", "PYTHONPATH=/s", "PYTHONPATH=/p:/s",
                                                "PYTHONPATH=/p:/s", *patched, *stock]
@@ -100,7 +101,8 @@ def test_dry_run_prints_every_wave(tmp_path):
                           "--dry-run", "--site", "/s", "--patched-site", "/p", "--from-run", "earlier.json"],
                          capture_output=True, text=True, timeout=120)
     names = re.findall(r"^# (\S+) \(port", res.stdout, flags=re.M)
-    assert names == ["scripted-patched-mtp4", *(f"scripted-patched-mtp{k}" for k in fb.SCRIPTED_SWEEP_K),
+    assert names == ["scripted-patched-mtp4", "scripted-patched-mtp4-fa",
+                     *(f"scripted-patched-mtp{k}" for k in fb.SCRIPTED_SWEEP_K),
                      *(f"scripted-stock-mtp{k}" for k in fb.SCRIPTED_SWEEP_K)]
 
 
@@ -108,11 +110,12 @@ def test_waves_boot_at_most_four_servers_each(tmp_path):
     args = argparse.Namespace(base_port=18060, site=Path("/s"), patched_site=Path("/p"), python=sys.executable,
                               ckpt=CKPT, prepared_ckpt=CKPT)
     full = sm.waves(args, tmp_path)
-    assert [len(w) for w in full] == [4, 4, 4, 2]  # the first wave, then the sweep's ten servers
+    assert [len(w) for w in full] == [4, 4, 4, 3]  # the first wave, then the variant and the sweep's ten servers
     assert [s.cfg.name for s in full[0]] == list(fb.SCRIPTED_CONFIGS)
+    assert full[1][0].cfg.name == "scripted-patched-mtp4-fa"
     assert all(s.cfg.patched for s in full[1]) and not any(s.cfg.patched for s in full[3])
     later = sm.waves(args, tmp_path, taken=sm.FROM_RUN_SERVERS)
-    assert [len(w) for w in later] == [4, 4, 3]
+    assert [len(w) for w in later] == [4, 4, 4]
 
 
 # ---------------------------------------------------------------- acceptance maths

@@ -2,7 +2,8 @@
 #17; one GPU run; bench/gpu/README.md). The first wave (bench.fullbench.SCRIPTED_CONFIGS: stock vLLM 0.28.0
 without speculation and with MTP k=4, the single-user plan without and with it) boots together while the
 reference checks the written weights at full size; then the servers are measured one after the other against
-what the weights predict, then the k sweep (SCRIPTED_SWEEP) boots, one wave per stack, as far as the budget goes.
+what the weights predict, then the variant (SCRIPTED_VARIANTS) and the k sweep (SCRIPTED_SWEEP) boot, four
+servers a wave, the plan's before stock's, as far as the budget goes.
 Stock serves the checkpoint as synth writes it (bf16 MTP and lm_head); the patched servers serve a prepared copy
 (hard links, then prepare/'s steps: int8 lm_head, embedding and MTP, the draft head from the design's
 --draft-coverage id list), as a user's single-user plan would, each judged by the prediction from its own files:
@@ -609,11 +610,11 @@ def build_servers(args: argparse.Namespace, out: Path, configs: Sequence[fb.Benc
 
 
 def waves(args: argparse.Namespace, out: Path, taken: Sequence[str] = ()) -> list[list[run_full.Server]]:
-    """The first wave's servers (less those --from-run took from an earlier run), then the sweep's, the single-user
-    plan's before stock's, booted WAVE_SERVERS at a time (ports never reused)."""
+    """The first wave's servers (less those --from-run took from an earlier run), then the variants' and the sweep's,
+    the single-user plan's before stock's, booted WAVE_SERVERS at a time (ports never reused)."""
     first = [c for c in fb.SCRIPTED_CONFIGS.values() if c.name not in taken]
-    sweep = sorted(fb.SCRIPTED_SWEEP.values(), key=lambda c: not c.patched)  # stable: the plan's first
-    configs = first + sweep
+    sweep = sorted([*fb.SCRIPTED_VARIANTS.values(), *fb.SCRIPTED_SWEEP.values()], key=lambda c: not c.patched)
+    configs = first + sweep  # the sort is stable: the variant, the plan's sweep, stock's
     out_waves, port = [], args.base_port
     for i in range(0, len(configs), WAVE_SERVERS):
         out_waves.append(build_servers(args, out, configs[i:i + WAVE_SERVERS], port))
@@ -1041,6 +1042,8 @@ def sweep_table(meas: Mapping[str, dict]) -> list[dict]:
     """Per server with a C1 measure: stack, k, tokens per step, ms per step, decode tok/s (the server's counters)."""
     rows = []
     for name, m in meas.items():
+        if name in fb.SCRIPTED_VARIANTS:
+            continue  # one k per stack in the sweep; a variant is set against its k in the report
         c1 = m.get("c1") or {}
         if not c1.get("server_tpot_ms"):
             continue

@@ -25,7 +25,7 @@ Stock serves the checkpoint as synth writes it (bf16 MTP and lm_head); the patch
     python bench/gpu/scripted_mtp.py OUT --site SITE --patched-site PATCHED [--ckpt DIR] [--prepared-ckpt DIR]
     python bench/gpu/scripted_mtp.py OUT --only checkpoint|prepare   # the checkpoint (and its prepared copy) alone
     python bench/gpu/scripted_mtp.py --predict FILE --ckpt DIR [--device cuda]   # the prediction alone (torch)
-    python bench/gpu/scripted_mtp.py OUT ... --from-run bench/results/scripted-h200-mtp-run3.json   # the sweep only
+    python bench/gpu/scripted_mtp.py OUT ... --from-run bench/results/scripted-h200-mtp-run3.json   # the rest of the run
     python bench/gpu/scripted_mtp.py OUT --rejudge   # the checks again from a run's files (CPU)
     python bench/gpu/scripted_mtp.py --plot-only REPORT   # the sweep's PNG beside REPORT, its table on stdout
 
@@ -1154,8 +1154,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="only write the reference before every token of a chi-square run's SAMPLES to FILE")
     p.add_argument("--dry-run", action="store_true", help="print every server command, start nothing")
     p.add_argument("--from-run", type=Path, metavar="REPORT",
-                   help="the first wave's measurements and answers from an earlier run's REPORT (bench/results keeps "
-                        "them beside it): boot the sweep only")
+                   help="the measurements and answers of --from-run-servers from an earlier run's REPORT (bench/results "
+                        "keeps them beside it): those are not booted again")
     p.add_argument("--plot-only", type=Path, metavar="REPORT",
                    help="only the sweep's PNG beside REPORT, and its markdown table on stdout")
     p.add_argument("--from-run-servers", type=lambda v: v.split(","), default=list(FROM_RUN_SERVERS),

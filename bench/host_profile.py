@@ -68,12 +68,8 @@ def record_command(binary: str, pid: int, seconds: float, out: Path, rate: int =
 def summarize(doc: dict, top: int = 25) -> dict:
     """Per function (name, file:line), its share of all samples on top of the stack (self) and anywhere in it
     (inclusive), over every thread's profile of a speedscope document; the `top` largest of each."""
-    frames = doc["shared"]["frames"]
-
-    def label(i: int) -> str:
-        f = frames[i]
-        where = f"{Path(f['file']).name}:{f['line']}" if f.get("file") else ""
-        return f"{f['name']} ({where})" if where else f["name"]
+    labels = [f"{f['name']} ({Path(f['file']).name}:{f['line']})" if f.get("file") else f["name"]
+              for f in doc["shared"]["frames"]]
 
     self_w: Counter[str] = Counter()
     incl_w: Counter[str] = Counter()
@@ -85,8 +81,8 @@ def summarize(doc: dict, top: int = 25) -> dict:
         for stack, w in zip(prof["samples"], weights, strict=True):
             total += w
             if stack:
-                self_w[label(stack[-1])] += w
-            for name in {label(i) for i in stack}:
+                self_w[labels[stack[-1]]] += w
+            for name in {labels[i] for i in stack}:
                 incl_w[name] += w
 
     def share(c: Counter[str]) -> list[dict]:

@@ -1111,8 +1111,8 @@ def measure_one(server: run_full.Server, rec: Record, prompts: Prompts, sampling
     extra = {"chisq": lambda: measure_chisq(client, model, prompts.chisq),
              "prefix": lambda: measure_prefix(client, model, prompts.prefix),
              "profile": lambda: measure_profile(client, model, prompts.c1[0], sampling, out / f"traces-{name}",
-                                                out / "profiles", name)}
-    extra["host"] = lambda: measure_host(server, client, model, prompts.c1[0], sampling, out / "profiles", name)
+                                                out / "profiles", name),
+             "host": lambda: measure_host(server, client, model, prompts.c1[0], sampling, out / "profiles", name)}
     parts += [(part, extra[part]) for part in EXTRA_PARTS.get(name, ())]
     log(f"{name}: GPU before measuring (utilization, memory used): {run_full.gpu_state()}")
     for part, measure in parts:

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .kernels.draft_sample import sample_draft
+
 ENV = "VLLM_MTP_DRAFT_VOCAB"
 HEAD_NAME = "draft_lm_head"  # under the MTP module: checkpoint tensors mtp.draft_lm_head.*
 
@@ -88,8 +90,6 @@ class DraftVocab(nn.Module):
         logits = self.logits_processor(head, hidden_states)
         if logits is None:
             return None
-        from .kernels.draft_sample import sample_draft
-
         return sample_draft(logits, self.target_ids, self.vocab_size, temperature, top_k, top_p)
 
     def top_tokens(self, head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

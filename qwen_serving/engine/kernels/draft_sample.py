@@ -12,7 +12,8 @@ full-vocabulary row at the candidates' token ids, and the draft is the exponenti
 keeps speculative decoding exact; this one only spares candidates the target's own top-k would never accept.
 Greedy rows (temperature below vLLM's epsilon) take the largest logit, as vLLM's drafter does.
 
-Operations per draft: torch.topk over the K columns, a memset of the probability row, the noise, one kernel.
+Operations per draft: torch.topk over the K columns, a memset of the probability row, the noise, one kernel (a
+request without top-k or top-p adds none: the kernel skips that cut).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ def _draft_sample_kernel(
     cand_ptr,  # [rows, C] their columns in the draft vocabulary
     noise_ptr,  # [rows, C] Exp(1) draws
     temp_ptr,  # [rows] float32
-    k_ptr,  # [rows] int32 top-k (C where the request has none)
-    p_ptr,  # [rows] float32 top-p (1.0 where the request has none)
+    k_ptr,  # [rows] top-k (read when HAS_K)
+    p_ptr,  # [rows] float32 top-p (read when HAS_P)
     ids_ptr,  # [K] int64 token id of each draft column
     probs_ptr,  # [rows, vocab] float32, zeroed
     probs_stride,
@@ -40,6 +41,8 @@ def _draft_sample_kernel(
     C: tl.constexpr,
     C_PAD: tl.constexpr,
     EPS: tl.constexpr,
+    HAS_K: tl.constexpr,
+    HAS_P: tl.constexpr,
 ):
     r = tl.program_id(0)
     j = tl.arange(0, C_PAD)
@@ -48,15 +51,17 @@ def _draft_sample_kernel(
     t = tl.load(temp_ptr + r)
     greedy = t < EPS
     x = x / tl.where(greedy, 1.0, t)
-    k = tl.minimum(tl.maximum(tl.load(k_ptr + r), 1), C)
-    keep = in_c & (j < k)
+    keep = in_c
+    if HAS_K:
+        keep = keep & (j < tl.minimum(tl.maximum(tl.load(k_ptr + r).to(tl.int32), 1), C))
     e = tl.where(keep, tl.exp(x - tl.max(tl.where(keep, x, float("-inf")), axis=0)), 0.0)
     prob = e / tl.sum(e, axis=0)
     # top-p over the descending candidates: keep a candidate while the mass before it is below p (the first always)
-    before = tl.cumsum(prob, axis=0) - prob
-    keep = keep & ((before < tl.load(p_ptr + r)) | (j == 0))
-    e = tl.where(keep, e, 0.0)
-    prob = e / tl.sum(e, axis=0)
+    if HAS_P:
+        before = tl.cumsum(prob, axis=0) - prob
+        keep = keep & ((before < tl.load(p_ptr + r)) | (j == 0))
+        e = tl.where(keep, e, 0.0)
+        prob = e / tl.sum(e, axis=0)
     noise = tl.load(noise_ptr + r * C + j, mask=in_c, other=1.0)
     race = tl.where(keep, prob / noise, -1.0)
     winner = tl.where(greedy, 0, tl.argmax(race, axis=0))
@@ -84,11 +89,11 @@ def sample_draft(
         noise = torch.empty(rows, c, dtype=torch.float32, device=logits.device).exponential_()
     probs = torch.zeros(rows, vocab_size, dtype=torch.float32, device=logits.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    k = torch.full((rows,), c, dtype=torch.int32, device=logits.device) if top_k is None else top_k.to(torch.int32)
-    p = torch.ones(rows, dtype=torch.float32, device=logits.device) if top_p is None else top_p.float()
-    _draft_sample_kernel[(rows,)](
-        vals, cand, noise, temperature.float(), k, p, ids, probs, probs.stride(0), tokens,
-        C=c, C_PAD=max(16, triton.next_power_of_2(c)), EPS=SAMPLING_EPS,
+    temperature = temperature.float()  # no copy when it is float32 already, as vLLM's is
+    _draft_sample_kernel[(rows,)](  # an absent top-k / top-p passes a pointer the kernel never reads
+        vals, cand, noise, temperature, temperature if top_k is None else top_k,
+        temperature if top_p is None else top_p.float(), ids, probs, probs.stride(0), tokens,
+        C=c, C_PAD=max(16, triton.next_power_of_2(c)), EPS=SAMPLING_EPS, HAS_K=top_k is not None, HAS_P=top_p is not None,
     )
     return tokens, probs
 

@@ -29,7 +29,7 @@ if str(REPO) not in sys.path:  # run as a script: bench/ is a package of the rep
 PROMPT = "Reply with the single word: ready"
 # vLLM 0.28.0's boot log lines (platforms/cuda.py, v1/core/kv_cache_utils.py, v1/engine/core.py)
 LOG_BACKEND = re.compile(r"Using (\S+) attention backend out of potential backends")
-LOG_KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+LOG_KV_TOKENS = re.compile(serving.KV_TOKENS_LINE)
 LOG_SPEC = re.compile(r"speculative_config=(None|SpeculativeConfig\(method='([^']*)', .*?num_spec_tokens=(\d+)\))")
 CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(.*)\}", re.M)
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

@@ -240,6 +240,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+KV_TOKENS_LINE = r"GPU KV cache size: ([0-9,]+) tokens"  # vLLM 0.28.0's pool, as its log states it at boot
 # what a vLLM 0.28.0 server's log says about its start: (key, the pattern whose group is the number)
 BOOT_FACTS = (
     ("weights_gib", r"Model loading took ([0-9.]+) GiB"),
@@ -248,7 +249,7 @@ BOOT_FACTS = (
     ("graph_capture_s", r"Graph capturing finished in ([0-9.]+) secs"),
     ("graph_capture_gib", r"Graph capturing finished in [0-9.]+ secs, took (-?[0-9.]+) GiB"),
     ("engine_init_s", r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s"),
-    ("kv_cache_tokens", r"GPU KV cache size: ([0-9,]+) tokens"),
+    ("kv_cache_tokens", KV_TOKENS_LINE),
 )
 
 

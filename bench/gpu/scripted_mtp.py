@@ -716,7 +716,7 @@ def boot(servers: list[run_full.Server], rec: Record, out: Path, limit_s: float)
     run_full.wait_until_up(servers, max(1.0, limit_s - (time.monotonic() - t_boot)))
     for s in servers:
         rec.data["servers"][s.cfg.name].update(state=s.state, boot_s=s.start_seconds,
-                                               boot_facts=serving.boot_facts(s.log_path.read_text(errors="replace")))
+                                               boot_facts=serving.boot_facts(s.log_text()))
 
 
 def budget_spent(rec: Record, what: str, limit: float, left: Callable[[float], float], share: float) -> bool:

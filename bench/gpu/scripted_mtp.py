@@ -60,7 +60,7 @@ from bench import fullbench as fb  # noqa: E402
 from bench import report as br  # noqa: E402
 from bench import scripted_chisq as sc  # noqa: E402
 from bench import serving  # noqa: E402
-from qwen_serving import plan  # noqa: E402
+from qwen_serving import patchset, plan  # noqa: E402
 
 REPORT = "scripted-h200-mtp.json"
 SCHEMA = "qwen-serving scripted-mtp/1"
@@ -582,8 +582,7 @@ def expected_chain(design, prompt: Sequence[int]) -> list[int]:
 
 
 def patch_state(patched_site: Path | None, python: str, env: Mapping[str, str]) -> dict:
-    series = [line.strip() for line in (REPO / "patches" / "series").read_text().splitlines()
-              if line.strip() and not line.startswith("#")]
+    series = [patch.name for patch in patchset.read_series(patchset.DEFAULT_SERIES)]
     state: dict = {"series": series, "vllm_dir": None if patched_site is None else str(patched_site / "vllm")}
     if patched_site is None:
         return state

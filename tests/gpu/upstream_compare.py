@@ -20,6 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from bench import harness  # noqa: E402
+from qwen_serving import patchset  # noqa: E402
 
 
 def outcomes(junit_xml: Path) -> dict[str, str]:
@@ -52,8 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     result = compare(outcomes(args.stock), outcomes(args.patched))
-    series = [line.strip() for line in (REPO / "patches" / "series").read_text().splitlines()
-              if line.strip() and not line.startswith("#")]
+    series = [patch.name for patch in patchset.read_series(patchset.DEFAULT_SERIES)]
     result = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": harness.machine_facts(),
               "tests": "vLLM 0.28.0's own tests/v1/sample (test_sampler, test_topk_topp_sampler, test_rejection_sampler)"
                        " from the release's source archive (tests/gpu/stage-vllm-tests.sh)",

@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from .knobs import BASE_MODEL
+
 MIN_DRIVER = 580  # the CUDA 13 wheels (torch 2.13.0, vllm 0.28.0)
 MIN_VRAM_BYTES = 24 * 10**9  # 24 GB; a 3090 reports 24,576 MiB
 MIN_DISK_BYTES = 40 * 10**9  # the W4A16 checkpoint (~19.5 GB) and its requantized copy
@@ -99,16 +101,38 @@ def tp_from_env(env: Mapping[str, str]) -> int:
         return 1
 
 
+def free_bytes(where: Path) -> int:
+    """Free bytes on where's filesystem: GNU df's answer (a stand-in df on PATH fakes it, as nvidia-smi is faked),
+    else the kernel's (busybox df has no --output)."""
+    try:
+        out = subprocess.run(["df", "-B1", "--output=avail", str(where)], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+        return int(out.split()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return shutil.disk_usage(where).free
+
+
+def bytes_on_disk(folder: Path) -> int:
+    """What the files under folder already occupy (an interrupted download resumes: those bytes are not needed twice)."""
+    if not folder.is_dir():
+        return 0
+    return sum(f.stat().st_blocks * 512 for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+
+
 def disk_check(model_dir: Path, need: int = MIN_DISK_BYTES) -> Check:
-    """Free space on the filesystem that will hold model_dir (its nearest existing parent)."""
+    """Free space on the filesystem that will hold model_dir (its nearest existing parent), less what a download
+    already put in model_dir."""
     where = model_dir.resolve()
     while not where.exists() and where != where.parent:
         where = where.parent
-    free = shutil.disk_usage(where).free
-    if free >= need:
-        return Check("PASS", "disk", f"{free / 1e9:.0f} GB free at {where}")
+    free, have = free_bytes(where), min(bytes_on_disk(model_dir), need)
+    still = need - have
+    done = f" ({have / 1e9:.1f} GB of it already there)" if have else ""
+    if free >= still:
+        return Check("PASS", "disk", f"{free / 1e9:.0f} GB free at {where}{done}")
     return Check("FAIL", "disk", f"{free / 1e9:.1f} GB free at {where}; the checkpoint and its requantized copy "
-                                 f"need ~{need / 1e9:.0f} GB: free some space, or set MODEL=DIR on a larger disk")
+                                 f"need ~{still / 1e9:.0f} GB more{done}: free some space, or make models/ a link "
+                                 "to a folder on a larger disk")
 
 
 def python_check(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> Check:
@@ -129,8 +153,8 @@ def run(model_dir: Path | None = None, query: Callable[[], str] = query_gpus, tp
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qwen_serving.preflight", description=__doc__.splitlines()[0])
-    ap.add_argument("--model-dir", type=Path, default=Path(__file__).resolve().parents[1] / "models",
-                    help="where the checkpoint goes (for the disk check)")
+    ap.add_argument("--model-dir", type=Path, default=Path(__file__).resolve().parents[1] / BASE_MODEL,
+                    help="where the checkpoint is downloaded to (for the disk check)")
     ap.add_argument("--need-disk", action="store_true", help="check free disk (the model is still to download)")
     ap.add_argument("--tp", type=int, default=None, help="cards the model is split across (default: the TP knob)")
     args = ap.parse_args(argv)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from qwen_serving import preflight
+from tests.helpers.fake_gpu import fake_nvidia_smi
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,7 +58,29 @@ def test_disk_is_measured_where_the_model_will_go(tmp_path):
     ok = preflight.disk_check(target, need=1)
     assert ok.level == "PASS" and str(tmp_path) in ok.message
     full = preflight.disk_check(target, need=10**18)
-    assert full.level == "FAIL" and "set MODEL=DIR on a larger disk" in full.message
+    assert full.level == "FAIL" and "make models/ a link to a folder on a larger disk" in full.message
+
+
+def test_free_space_is_dfs_answer_else_the_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", f"{fake_nvidia_smi(tmp_path / 'bin', free_disk=12 * 10**9)}:{os.environ['PATH']}")
+    assert preflight.free_bytes(tmp_path) == 12 * 10**9
+    short = preflight.disk_check(tmp_path / "models")
+    assert short.level == "FAIL" and short.message.startswith("12.0 GB free at") and "need ~40 GB more" in short.message
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))  # no df at all: the kernel answers
+    assert preflight.free_bytes(tmp_path) == shutil.disk_usage(tmp_path).free
+
+
+def test_an_interrupted_download_needs_only_the_rest(tmp_path, monkeypatch):
+    model = tmp_path / "models" / "base"
+    model.mkdir(parents=True)
+    (model / "model-00001.safetensors").write_bytes(b"w" * 3 * 2**20)
+    have = preflight.bytes_on_disk(model)
+    assert 3 * 2**20 <= have < 4 * 2**20  # blocks on disk, not the apparent size
+    monkeypatch.setattr(preflight, "free_bytes", lambda where: 10**9 - have)
+    check = preflight.disk_check(model, need=10**9)
+    assert check.level == "PASS" and "already there" in check.message
+    monkeypatch.setattr(preflight, "free_bytes", lambda where: 10**9 - have - 1)
+    assert preflight.disk_check(model, need=10**9).level == "FAIL"
 
 
 @pytest.mark.parametrize(("version", "level"), [((3, 10, 12), "FAIL"), ((3, 11, 0), "PASS"), ((3, 12, 3), "PASS")])

@@ -86,6 +86,14 @@ def test_first_start_runs_missing_steps_then_execs_vllm(tmp_path):
     assert "file-key" not in served.split("|")[0] and "file-key" not in r.stdout + r.stderr
 
 
+def test_no_room_for_the_download_stops_before_any_step(tmp_path):
+    root = fake_checkout(tmp_path)
+    fake_nvidia_smi(root / "fake-gpu", free_disk=9 * 10**9)
+    r = start(root, "single-user")
+    assert r.returncode == 2 and not (root / "steps.log").exists() and not (root / "vllm.log").exists()
+    assert "FAIL disk: 9.0 GB free at" in r.stdout and "make models/ a link to a folder on a larger disk" in r.stdout
+
+
 def test_refusal_stops_before_any_step(tmp_path):
     root = fake_checkout(tmp_path)
     r = start(root, "batch", HOST="0.0.0.0")

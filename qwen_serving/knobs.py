@@ -463,7 +463,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("DRAFT_SAMPLE", _choice("probabilistic", "greedy"), _rules(Rule("probabilistic")),
          "MTP draft sampling; `greedy` is the same at T=0 and ~15% slower at T>0", SINGLE),
     Knob("SPEC_ATTN", _bit, _rules(Rule(1, {"CTX": "fast"}), Rule(0)),
-         "split-KV Triton attention for the multi-query verify step (FlashAttention backend)", SINGLE,
+         "split-KV Triton attention for the multi-query verify step, where vLLM runs FlashAttention 2 (sm80/86/89; "
+         "sm90's FA3 is faster and keeps it)", SINGLE,
          export=Export("VLLM_SPEC_DECODE_ATTN", {"SPEC": SPECULATING, "SPEC_ATTN": 1})),
     Knob("MTP_DRAFT_VOCAB", _bit, _rules(Rule(1)),
          "SPEC=mtp: draft over the 40k-token head in MODEL, built from DRAFT_IDS; 0 = the full lm_head (correct, "

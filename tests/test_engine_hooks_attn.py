@@ -34,9 +34,14 @@ def test_layer_refusals():
         # FlashAttention takes fp8 only on sm90/sm100, quantizing the query too: unreachable for the kernel
         "fp8": dict(kv_cache_dtype="fp8"),
         "fp8_e4m3": dict(kv_cache_dtype="fp8_e4m3"),
+        # sm90 runs FA3, faster than the kernels at every geometry measured; sm100's FA4 is unmeasured
+        "FA3": dict(vllm_flash_attn_version=3),
+        "FA4": dict(vllm_flash_attn_version=4),
     }
     for why, fields in refused.items():
         assert attn_routing.layer_refusal(impl_like(**fields)) is not None, why
+        assert attn_routing.prefill_layer_refusal(impl_like(**fields)) is not None, why
+    assert attn_routing.layer_refusal(impl_like(vllm_flash_attn_version=None)) is None  # CPU: nothing to ask
 
 
 def test_scratch_geometry():
@@ -129,6 +134,14 @@ def test_flash_attention_impl_switched_off(flash_attn, monkeypatch):
     assert impl.verify_attention is None
     assert forward(fa, impl, [3, 3], [20, 40]) <= 2e-2
     assert varlen_calls == [3]
+
+
+def test_flash_attention_3_keeps_its_verify_batches(flash_attn, monkeypatch):
+    """On sm90 vLLM picks FA3, faster than the kernel at every verify context measured: no kernel, no scratch."""
+    fa, varlen_calls = flash_attn
+    monkeypatch.setattr(fa, "get_flash_attn_version", lambda *args, **kwargs: 3)
+    impl = build_impl(fa, monkeypatch, enabled=True)
+    assert impl.verify_attention is None and attn_routing._shared == {}
 
 
 def test_flash_attention_impl_at_the_tiny_engine_geometry(flash_attn, monkeypatch):

@@ -70,12 +70,14 @@ def test_scripted_servers_are_plans_that_vllm_serve_parses(vllm_cli):
         methods[name] = None if spec is None else (spec["num_speculative_tokens"], spec["draft_sample_method"])
         assert sm.draft_sample(cmd) == (None if spec is None else spec["draft_sample_method"])
     assert methods == {"scripted-stock": None, "scripted-stock-mtp4": (4, "greedy"), "scripted-patched-plain": None,
-                       "scripted-patched-mtp4": (4, "probabilistic"), "scripted-patched-mtp4-fa": (4, "probabilistic"),
+                       "scripted-patched-mtp4": (4, "probabilistic"), "scripted-patched-mtp4-fa2": (4, "probabilistic"),
                        **{f"scripted-patched-mtp{k}": (k, "probabilistic") for k in fb.SCRIPTED_SWEEP_K},
                        **{f"scripted-stock-mtp{k}": (k, "greedy") for k in fb.SCRIPTED_SWEEP_K}}
     patched = _command(fb.SCRIPTED_CONFIGS["scripted-patched-mtp4"])
     assert patched.env["VLLM_MTP_DRAFT_VOCAB"] == "0" and patched.env["VLLM_SPEC_DECODE_ATTN"] == "1"
-    assert "VLLM_SPEC_DECODE_ATTN" not in _command(fb.SCRIPTED_VARIANTS["scripted-patched-mtp4-fa"]).env
+    fa2 = _command(fb.SCRIPTED_VARIANTS["scripted-patched-mtp4-fa2"])
+    assert fa2.env["VLLM_SPEC_DECODE_ATTN"] == "1"  # the kernel on, on the FlashAttention it stands in for
+    assert [vllm_cli.serve(c.argv)[1].attention_config.flash_attn_version for c in (fa2, patched)] == [2, None]
     ns, ea = vllm_cli.serve(patched.argv)
     assert ea.mamba_ssm_cache_dtype == "float16" and ea.max_num_batched_tokens == 2048  # the single-user plan's
     assert not ns.enable_auto_tool_choice and ns.tool_call_parser is None  # TOOLS=0: no ijson needed on the device
@@ -101,7 +103,7 @@ def test_dry_run_prints_every_wave(tmp_path):
                           "--dry-run", "--site", "/s", "--patched-site", "/p", "--from-run", "earlier.json"],
                          capture_output=True, text=True, timeout=120)
     names = re.findall(r"^# (\S+) \(port", res.stdout, flags=re.M)
-    assert names == ["scripted-patched-mtp4", "scripted-patched-mtp4-fa",
+    assert names == ["scripted-patched-mtp4", "scripted-patched-mtp4-fa2",
                      *(f"scripted-patched-mtp{k}" for k in fb.SCRIPTED_SWEEP_K),
                      *(f"scripted-stock-mtp{k}" for k in fb.SCRIPTED_SWEEP_K)]
 
@@ -112,7 +114,7 @@ def test_waves_boot_at_most_four_servers_each(tmp_path):
     full = sm.waves(args, tmp_path)
     assert [len(w) for w in full] == [4, 4, 4, 3]  # the first wave, then the variant and the sweep's ten servers
     assert [s.cfg.name for s in full[0]] == list(fb.SCRIPTED_CONFIGS)
-    assert full[1][0].cfg.name == "scripted-patched-mtp4-fa"
+    assert full[1][0].cfg.name == "scripted-patched-mtp4-fa2"
     assert all(s.cfg.patched for s in full[1]) and not any(s.cfg.patched for s in full[3])
     later = sm.waves(args, tmp_path, taken=sm.FROM_RUN_SERVERS)
     assert [len(w) for w in later] == [4, 4, 4]

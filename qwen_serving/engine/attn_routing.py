@@ -8,6 +8,12 @@ pays; everything they refuse (prefill chunks, mixed batches, cascade attention, 
 ALiBi, context parallelism, quantized queries, fp8 or other KV dtypes, head sizes the kernel lacks) stays on
 FlashAttention. Decided from host values only: no device sync in the forward pass.
 
+By architecture: both kernels stand in for FlashAttention 2 only, which vLLM runs on sm80/86/89 (the 3090's path).
+On sm90 vLLM runs FlashAttention 3, which was faster than either kernel at every geometry measured on the H200
+(bench/results/kernels-h200.json: the 5-query verify at 0.49-0.67x FA3's speed from 1.5k to 32k context, int8
+prefill at 0.70-0.90x); FA4 (sm100) is unmeasured, so it is left alone too. `--attention-config.flash_attn_version=2`
+puts an H200 on the 3090's path.
+
 The kernel's scratch (split partials) is allocated once, when the first layer is built, so CUDA graphs capture
 fixed addresses and vLLM's memory profiling counts it; layers of one geometry share it (they run one at a time).
 
@@ -38,6 +44,7 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 # query to fp8 too, and the kernel reads K/V in the query's dtype.
 VERIFY_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 PREFILL_HEAD_DIM = 256  # the serving geometry the int8 kernel is tuned for
+STANDS_IN_FOR_FA = 2  # the FlashAttention version the kernels replace (see the module docstring)
 MIN_PREFILL_QUERY = MAX_VERIFY_QUERY + 1
 
 
@@ -68,6 +75,9 @@ def layer_refusal(impl: Any) -> str | None:
         f"head size {head} (the kernel needs a power of two >= 16)": head < 16 or head & (head - 1) != 0,
         f"KV cache dtype {impl.kv_cache_dtype}": impl.kv_cache_dtype not in VERIFY_KV_CACHE_DTYPES,
         "query heads not a multiple of KV heads": impl.num_heads % impl.num_kv_heads != 0,
+        # None: no vllm_flash_attn build to ask (CPU, where the kernels run interpreted)
+        f"FlashAttention {impl.vllm_flash_attn_version}, faster than the kernels where measured (sm90)":
+            impl.vllm_flash_attn_version not in (None, STANDS_IN_FOR_FA),
     }
     return next((why for why, refused in checks.items() if refused), None)
 

@@ -87,6 +87,7 @@ def _flash_impl(fa, enabled: bool, monkeypatch):
     monkeypatch.setenv("VLLM_SPEC_DECODE_ATTN", "1" if enabled else "0")
     config = VllmConfig()
     config.scheduler_config.max_num_seqs = 8
+    config.attention_config.flash_attn_version = 2  # built as on a 3090: on FA3 (sm90) the hooks stand aside
     with set_current_vllm_config(config):
         return fa.FlashAttentionImpl(num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HKV, alibi_slopes=None,
                                      sliding_window=None, kv_cache_dtype="auto")
@@ -160,7 +161,9 @@ def test_prefill_int8_chunk_matches_flash_attention(fa_version, monkeypatch):
     outputs = {}
     for enabled in (True, False):
         monkeypatch.setenv("VLLM_PREFILL_INT8_ATTN", "1" if enabled else "0")
-        with set_current_vllm_config(VllmConfig()):
+        config = VllmConfig()
+        config.attention_config.flash_attn_version = 2  # built as on a 3090 (see _flash_impl)
+        with set_current_vllm_config(config):
             impl = fa.FlashAttentionImpl(num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HKV,
                                          alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
         assert impl.prefill_int8 is enabled

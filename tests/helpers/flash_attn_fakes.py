@@ -15,7 +15,8 @@ HQ, HKV, D, PAGE = 12, 2, 32, 16
 
 def impl_like(**overrides):
     fields = dict(attn_type="decoder", alibi_slopes=None, sliding_window=(-1, -1), logits_soft_cap=0, sinks=None,
-                  dcp_world_size=1, head_size=256, kv_cache_dtype="auto", num_heads=24, num_kv_heads=4)
+                  dcp_world_size=1, head_size=256, kv_cache_dtype="auto", num_heads=24, num_kv_heads=4,
+                  vllm_flash_attn_version=2)
     return SimpleNamespace(**{**fields, **overrides})
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from qwen_serving.engine.kv_groups import choose_group_size, cudagraph_reserve_bytes, upstream_group_size
 from tests.helpers.engine_trees import load
+from tests.helpers.kv_specs import qwen38_kv_specs
 
 KV_MEMORY = 5 << 30
 MAX_MODEL_LEN = 65536
@@ -35,23 +35,6 @@ def test_choose_group_size_rejects_mismatched_flags():
         choose_group_size([16, 48], [False])
 
 
-def _specs(with_drafter: bool) -> dict:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-
-    block = 2176  # attention block size vLLM derives to match the GDN state page
-    full = FullAttentionSpec(block_size=block, num_kv_heads=4, head_size=256, dtype=torch.bfloat16)
-    page = full.page_size_bytes
-    gdn = MambaSpec(block_size=block, shapes=((3, 8192), (48, 128, 128)), dtypes=(torch.bfloat16, torch.float16),
-                    page_size_padded=page)
-    window = SlidingWindowSpec(block_size=block // 2, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
-                               sliding_window=2048, page_size_padded=page)
-    specs = {f"model.layers.{i}.self_attn": full for i in range(16)}
-    specs |= {f"model.layers.{16 + i}.linear_attn": gdn for i in range(48)}
-    if with_drafter:
-        specs |= {f"draft.layers.{i}.self_attn": window for i in range(5)}
-    return specs
-
-
 def _pool(tree: str, with_drafter: bool = True) -> dict:
     utils = load(tree, "v1/core/kv_cache_utils.py")
     config = SimpleNamespace(
@@ -61,7 +44,7 @@ def _pool(tree: str, with_drafter: bool = True) -> dict:
         max_in_flight_tokens=2048,
         kv_transfer_config=None,
     )
-    groups = utils._get_kv_cache_groups_uniform_page_size(_specs(with_drafter))
+    groups = utils._get_kv_cache_groups_uniform_page_size(qwen38_kv_specs(with_drafter))
     group_size = max(len(g.layer_names) for g in groups)
     kv_config = utils.get_kv_cache_config_from_groups(config, groups, KV_MEMORY)
     tokens, _ = utils.get_kv_cache_capacity(config, kv_config)
@@ -100,7 +83,7 @@ def test_drafter_windows_padded_instead():
 
 def test_upstream_rule_matches_pristine():
     utils = load("pristine", "v1/core/kv_cache_utils.py")
-    specs = _specs(with_drafter=True)
+    specs = qwen38_kv_specs(with_drafter=True)
     groups = utils._get_kv_cache_groups_uniform_page_size(specs)
     assert max(len(g.layer_names) for g in groups) == upstream_group_size([16, 48, 5])
 

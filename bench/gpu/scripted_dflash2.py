@@ -13,7 +13,8 @@ generated when missing), boots stock vLLM 0.28.0 through the product's plan with
     python bench/gpu/scripted_dflash2.py --predict FILE --ckpt DIR --drafter DIR [--device cuda]
 
 OUT/scripted-h200-dflash2.json is rewritten after every phase. Prefix caching is off by default (PREFIX_CACHE=0;
---prefix-cache turns it on): upstream #55600 (V2 runner, DFlash2 + hybrid prefix caching) is open in 0.28.0.
+--prefix-cache turns it on): upstream #55600 (V2 runner, DFlash2 + hybrid prefix caching) is open in stock
+0.28.0 (patches/vllm-55600-v2-mamba-state-seed.patch fixes it in the series; not run on a GPU).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Under prefix caching in align mode a hybrid model keeps one recurrent state per 
 ``MambaHybridModelState.add_request`` points the request at the block its computed tokens end in. Upstream divides
 by ``cache_config.block_size``, but by then the engine core has set that to the smallest block size of the
 prefix-cacheable KV groups. With DFlash2's sliding-window drafter beside Qwen3.8 those groups hold 1,088-token
-blocks while the GDN groups keep 2,176 (tests/test_engine_mamba_state_seed.py builds them with vLLM's own grouping),
+blocks while the GDN groups keep 2,176 (tests/test_engine_gdn_state_seed.py builds them with vLLM's own grouping),
 so a hit on a cached prefix seeds twice the right column: the wrong state is restored, or, past half the block-table
 row, a read outside it (an illegal memory access on the GPU). The mamba groups' own block is ``mamba_block_size``,
 the unit of every other mamba index (``MambaSpec.block_size``, the block table's width, the copy kernel).

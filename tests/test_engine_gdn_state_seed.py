@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qwen_serving.engine.mamba_state_seed import running_state_column
+from qwen_serving.engine.gdn_state_seed import running_state_column
 from tests.helpers.engine_trees import load
 from tests.helpers.kv_specs import ATTENTION_BLOCK, qwen38_kv_specs
 

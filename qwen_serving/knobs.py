@@ -413,7 +413,7 @@ KNOBS: tuple[Knob, ...] = (
          "from the context (the spec's reproduction mode at 15: +47% when answers quote the prompt, half the seats) is "
          "not built yet (single-user/README.md, DFlash2)", SINGLE),
     Knob("DRAFT_TOKENS", _int(1, 8), _rules(
-        Limit(3, {"CTX": ("long", "huge")}, "spec: k=4 dies with an illegal memory access on FlashInfer",
+        Limit(3, {"SPEC": "mtp", "CTX": ("long", "huge")}, "spec: k=4 dies with an illegal memory access on FlashInfer",
               allowed=at_most(3), checked_when={"SPEC": "mtp", "CTX": "long"},  # FlashInfer is CTX=long's backend
               message="DRAFT_TOKENS={DRAFT_TOKENS} on CTX=long: FlashInfer's spec-decode path dies with an illegal "
                       "memory access with 4 drafts once requests finish mid-batch (spec); set DRAFT_TOKENS=3 (or 2), "
@@ -430,11 +430,14 @@ KNOBS: tuple[Knob, ...] = (
         Rule(8)), "requests admitted at once (not how many the pool holds: `explain` prints the seats)",
         argv=_opt("--max-num-seqs")),
     Knob("DFLASH_MAX_LEN", _int(1024, 1 << 20), _rules(
-        Rule(221_184, {"CTX": "huge", "DFLASH_TOKENS": Above(7)}, "spec 82bd62d: above 7 drafts 240k does not boot"),
-        Rule(245_760, {"CTX": "huge"}),
-        Rule(114_688, {"CTX": "long", "DFLASH_TOKENS": Above(7)}),
-        Rule(131_072, {"CTX": "long"}),
-        Rule(57_344, {"DFLASH_TOKENS": Above(7)}, "memory model: the longest context a 16-token block leaves in 5.2 GiB"),
+        # each keyed on SPEC=dflash2 too, so no other plan prints a note for a value it never reads
+        Rule(221_184, {"SPEC": "dflash2", "CTX": "huge", "DFLASH_TOKENS": Above(7)},
+             "spec 82bd62d: above 7 drafts 240k does not boot"),
+        Rule(245_760, {"SPEC": "dflash2", "CTX": "huge"}),
+        Rule(114_688, {"SPEC": "dflash2", "CTX": "long", "DFLASH_TOKENS": Above(7)}),
+        Rule(131_072, {"SPEC": "dflash2", "CTX": "long"}),
+        Rule(57_344, {"SPEC": "dflash2", "DFLASH_TOKENS": Above(7)},
+             "memory model: the longest context a 16-token block leaves in 5.2 GiB"),
         Rule(65_536)), "context length with SPEC=dflash2", SINGLE),
     Knob("MAX_LEN", _int(1024, 1 << 20), _rules(
         Rule(262_144, {"mode": "batch", "KV": ("int4pth", "kvarn")}),
@@ -562,6 +565,9 @@ CHECKS: tuple[Check, ...] = (
     Check({"SPEC": "dflash2", "VISION": 1},
           "SPEC=dflash2 VISION=1 does not boot on a 24 GB card without offloading the vision tower to host RAM, "
           "which this project does not offer yet (spec); use SPEC=mtp with VISION=1 there", warn=True),
+    Check({"mode": "single", "PREFILL_ATTN": "int8", "CTX": ("long", "huge")},
+          "PREFILL_ATTN=int8 hooks vLLM's FlashAttention backend, and CTX={CTX} serves on another one: set "
+          "PREFILL_ATTN=off, or CTX=fast for the int8 prefill"),
     Check({"mode": "single", "PREFILL_ATTN": "int8", "INT8_ACT": Not("int8")},
           "PREFILL_ATTN=int8 alone is noise-to-slightly-positive (spec); pair it with INT8_ACT=int8", warn=True),
 )

@@ -212,9 +212,18 @@ def test_refuse_known_bad_combinations(probe):
     refused("single", {"INT8_ACT": "int8", "INT8_LAYERS": "mlp|linear_attn"}, probe, "INT8_LAYERS=mlp")
     refused("single", {"SPEC": "dflash2", "ASYNC_SCHED": "1"}, probe, "unset ASYNC_SCHED")
     refused("single", {"CTX": "long", "DRAFT_TOKENS": "4"}, probe, "DRAFT_TOKENS=3")
+    # the int8 prefill hooks FlashAttention; CTX=long and huge serve on FlashInfer / Triton
+    refused("single", {"CTX": "long", "PREFILL_ATTN": "int8", "INT8_ACT": "int8"}, probe, "set PREFILL_ATTN=off")
     refused("single", {"REQ_METRICS": "1", "EXTRA_ARGS": "--disable-log-stats"}, probe, "drop one")
     refused("single", {"EXTRA_ARGS": "--api-key abc"}, probe, "VLLM_API_KEY")
     refused("single", {"EXTRA_ARGS": "--tensor-parallel-size 2"}, probe, "set TP=2")
+
+
+def test_ctx_long_caps_only_mtps_drafts(probe):
+    def notes(spec):
+        return [n for n in plan.build("single", {"CTX": "long", "SPEC": spec}, probe).notes if "DRAFT_TOKENS" in n]
+    assert notes("dflash2") == notes("off") == []  # no MTP, nothing capped
+    assert notes("mtp") and notes("mtp")[0].startswith("DRAFT_TOKENS=3 because SPEC=mtp, CTX=long/huge")
 
 
 @pytest.mark.parametrize("layers", ["mlp|linear_attn", "linear_attn|mlp", "linear_attn|mlp|mlp"])

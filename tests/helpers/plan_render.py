@@ -1,9 +1,9 @@
-"""The plan's rendering of a fixed set of configurations, for the before/after fixture.
+"""The plan's rendering of a fixed set of configurations, for the snapshot test.
 
-`python -m tests.helpers.plan_render > tests/fixtures/plan-render.json` wrote the fixture before the
-Structure move; tests/test_plan_render.py renders the same configurations now and compares.
+`python -m tests.helpers.plan_render > tests/fixtures/plan-render.json` writes the snapshot that
+tests/test_plan_render.py renders the same configurations against.
 Every configuration runs `python -m qwen_serving.plan MODE --dry-run` and `MODE explain` on a probe
-that sees no GPU, no vLLM install and an empty checkout, so the output depends on the plan alone.
+that sees no GPU, vLLM as installed (so no install step) and an empty checkout: the output depends on the plan alone.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ vLLM 0.28.0 builds Qwen3.5's tower as `Qwen3_VisionTransformer` (model_executor/
 which with SPEC=dflash2 does not leave a 24 GB card room to boot (spec). Its forward calls each module in
 turn: the patch embed, then every block, then the merger (and the deepstack mergers, which Qwen3.5 has none
 of). Those calls are the units this module streams: a unit's weights live in one contiguous host buffer,
-one host-to-device copy stages them into one device buffer just before the unit's forward (a forward
-pre-hook), and after it (a forward hook, also on an exception) the parameters point back at the host
-buffer, so the device buffer is freed: the next unit reuses the same allocator block.
+one host-to-device copy stages them into one device buffer just before the unit's forward, and after it
+(on an exception too) the parameters point back at the host buffer, so the device buffer is freed: the
+next unit reuses the same allocator block. The unit's `forward` is wrapped on the instance (see
+StreamedUnit.staged_forward for why not a forward hook).
 
 What stays on the device whatever the budget: the patch embed (the tower's `device` and `dtype` are read
 from its weight, and the input is moved to that device), the position-embedding table (read directly by
@@ -115,7 +116,7 @@ class StreamedUnit:
         for t in self.tensors:
             if not t.is_contiguous():
                 raise ValueError(f"vision offload copies contiguous weights only; a {tuple(t.shape)} tensor of "
-                                 f"{type(module).__name__} is not (unset {ENV})")
+                                 f"{type(module).__name__} is not (set {ENV}=0: VISION_OFFLOAD=0 in the launcher)")
         self.layout: list[tuple[int, int]] = []  # (offset, bytes) of each tensor in the buffer
         offset = 0
         for t in self.tensors:
@@ -128,20 +129,30 @@ class StreamedUnit:
         for t, view in zip(self.tensors, self.host_views, strict=True):
             view.copy_(t.data)
             t.data = view  # the device copy vLLM loaded is freed here
-        self.handles = [module.register_forward_pre_hook(self.stage),
-                        module.register_forward_hook(self.release, always_call=True)]
+        self.forward = module.forward
+        module.forward = self.staged_forward  # see staged_forward: not a forward hook
+
+    def staged_forward(self, *args, **kwargs):
+        """The unit's own forward on weights staged on the device. An instance attribute rather than a forward
+        hook: vLLM's @support_torch_compile (on Qwen3_VisionBlock and the patch embed) replaces the class's
+        __call__ and, with the encoder not compiled, calls `self.forward` directly, so nn.Module hooks never run."""
+        self.stage()
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            self.release()
 
     def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         return [buffer[offset:offset + size].view(t.dtype).view(t.shape)
                 for t, (offset, size) in zip(self.tensors, self.layout, strict=True)]
 
-    def stage(self, module: nn.Module, args: tuple) -> None:
+    def stage(self) -> None:
         staged = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         staged.copy_(self.host, non_blocking=True)  # ordered before the forward's kernels on the same stream
         for t, view in zip(self.tensors, self._views(staged), strict=True):
             t.data = view
 
-    def release(self, module: nn.Module, args: tuple, output: object) -> None:
+    def release(self) -> None:
         for t, view in zip(self.tensors, self.host_views, strict=True):
             t.data = view
 
@@ -155,6 +166,7 @@ class Offloaded:
     fixed_bytes: int
     kept_bytes: int
     slot_bytes: int  # the largest streamed unit's buffer: at most one is on the device at a time
+    pinned: bool  # whether the host buffers are page-locked (then each copy is one asynchronous DMA)
 
     @property
     def peak_bytes(self) -> int:
@@ -179,7 +191,7 @@ def offload(tower: nn.Module, budget_bytes: int) -> Offloaded:
     pin = device.type == "cuda" and is_pin_memory_available()
     streamed = {name: StreamedUnit(unit, device, pin) for i, (name, unit) in enumerate(named) if i not in kept}
     return Offloaded(streamed, tuple(named[i][0] for i in sorted(kept)), fixed, sum(sizes[i] for i in kept),
-                     max((sizes[i] for i in range(len(named)) if i not in kept), default=0))
+                     max((sizes[i] for i in range(len(named)) if i not in kept), default=0), pin)
 
 
 def vision_tower(model: nn.Module) -> nn.Module | None:
@@ -209,11 +221,10 @@ def offload_after_load(model: nn.Module, vllm_config) -> Offloaded | None:
     done = offload(tower, int(envs.VLLM_VISION_OFFLOAD_GIB * GiB))
     if tower.patch_embed.proj.weight.is_cuda:
         torch.cuda.empty_cache()
-    init_logger(__name__).info(
+    init_logger(f"vllm.{__name__}").info(  # under vLLM's logger: the line lands in the server log
         "vision offload: %.0f MiB of the tower in %s host RAM (%d modules, copied in for each forward); on the "
         "device at most %.0f MiB (%.0f fixed + %.0f kept: %s + one %.0f MiB slot), budget %.3f GiB",
-        done.host_bytes / MiB, "pinned" if done.streamed and next(iter(done.streamed.values())).host.is_pinned()
-        else "pageable", len(done.streamed), done.peak_bytes / MiB, done.fixed_bytes / MiB, done.kept_bytes / MiB,
+        done.host_bytes / MiB, "pinned" if done.pinned else "pageable", len(done.streamed), done.peak_bytes / MiB, done.fixed_bytes / MiB, done.kept_bytes / MiB,
         ", ".join(done.kept) or "none", done.slot_bytes / MiB, envs.VLLM_VISION_OFFLOAD_GIB)
     return done
 

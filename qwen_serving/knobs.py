@@ -525,7 +525,7 @@ KNOBS: tuple[Knob, ...] = (
                        "--mm-processor-kwargs", json.dumps({"max_pixels": VISION_MAX_PIXELS})],
                       ["--language-model-only"])),
     Knob("VISION_OFFLOAD", _bit, _rules(
-        Rule(1, {"VISION": 1}, "with SPEC=dflash2 the whole tower on the card does not boot on 24 GB (spec)"),
+        Rule(1, {"VISION": 1}, "the whole tower takes 0.858 GiB of the card; with SPEC=dflash2 24 GB do not boot (spec)"),
         Rule(0)),
          "VISION=1: the tower's weights in pinned host RAM, each module copied to the card for its own forward, at "
          "most VISION_OFFLOAD_GIB of it on the card at once (spec: 296 -> 333 ms per 8192-patch image, reference "

@@ -39,6 +39,13 @@ Issue #23 ("Images") added one derived line to explain with VISION=1: "vision to
 the encoder cache the memory model counts), dropped from the new output (VISION_LINE), exactly once there and
 nowhere else. The fixture's runs have no card, so no KV_MEM=auto figure (which now takes the encoder cache
 out) is in it.
+
+Issue #23 item 2 offers VISION_OFFLOAD again, now read by patches/vision-offload.patch as VLLM_VISION_OFFLOAD
+(the stub exported VLLM_VISION_CPU_OFFLOAD, which stays removed), with its budget VISION_OFFLOAD_GIB. VISION=1
+now defaults it to 1 (the stub defaulted to 1 whatever VISION was; now it is 0 without the tower). Their lines
+are dropped from the new output and asserted apart (assert_vision_offload_lines_as_intended). With the tower
+offloaded, explain's "weights on GPU" counts the budget instead of the whole tower: that figure is compared apart
+(WEIGHTS_LINE: lower by the tower minus the budget, to the rounding of two printed decimals).
 """
 
 from __future__ import annotations
@@ -49,13 +56,16 @@ from pathlib import Path
 
 import pytest
 
-from qwen_serving import knobs
+from qwen_serving import knobs, memory
 from tests.helpers.plan_render import CONFIGS, render
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "plan-render.json"
 STUBS = re.compile(r"\b(LOOKUP|VLLM_DFLASH2_LOOKUP\w*|VISION_OFFLOAD|VLLM_VISION_CPU_OFFLOAD)\b")
 LOOKUP_KNOBS = ("LOOKUP", *(var for var, *_ in knobs.LOOKUP_PARAMS))  # offered again (issue #18)
 LOOKUP_LINE = re.compile(r"\b(LOOKUP|VLLM_DFLASH2_LOOKUP(_NMIN|_NMAX|_NSTRONG|_AGREE)?)\b")
+VISION_OFFLOAD_KNOBS = ("VISION_OFFLOAD", "VISION_OFFLOAD_GIB")  # offered again (issue #23 item 2)
+VISION_OFFLOAD_LINE = re.compile(r"\b(VLLM_)?VISION_OFFLOAD(_GIB)?\b")
+WEIGHTS_LINE = re.compile(r"^(weights on GPU += )([0-9.]+)( GiB)", re.M)
 BEFORE = json.loads(FIXTURE.read_text())
 ACTIONS = ("--dry-run", "explain")
 DRAFT_LINES = re.compile(r"build_draft_vocab|VLLM_MTP_DRAFT_VOCAB|^(note: )?MTP_DRAFT_VOCAB|^DRAFT_IDS |^MTP draft head ",
@@ -108,7 +118,7 @@ def test_the_fixture_is_the_helpers_configurations():
                          ids=[f"{m}-{'-'.join(f'{k}={v}' for k, v in e.items()) or 'default'}" for m, e in CONFIGS])
 def test_rendering_is_unchanged(mode, env, before):
     after = render(mode, env)
-    stubs_set = {k: v for k, v in env.items() if STUBS.fullmatch(k) and k not in LOOKUP_KNOBS}
+    stubs_set = {k: v for k, v in env.items() if STUBS.fullmatch(k) and k not in LOOKUP_KNOBS + VISION_OFFLOAD_KNOBS}
     if stubs_set:  # a removed knob is now an unknown variable: ignored
         assert {a: after[a] for a in ACTIONS} == {a: render(mode, {k: v for k, v in env.items() if k not in stubs_set})[a]
                                                  for a in ACTIONS}
@@ -119,12 +129,15 @@ def test_rendering_is_unchanged(mode, env, before):
         draft_old: list[str] = []
         draft_new: list[str] = []
         lookup_new: list[str] = []
+        offload_new: list[str] = []
         for stream in ("stdout", "stderr"):
             old_text, n = without_stubs(old[stream])
             dropped += n
             new_lines = new[stream].splitlines(keepends=True)
             lookup_new += [line.rstrip("\n") for line in new_lines if LOOKUP_LINE.search(line)]
-            new_text = "".join(line for line in new_lines if not LOOKUP_LINE.search(line))
+            offload_new += [line.rstrip("\n") for line in new_lines if VISION_OFFLOAD_LINE.search(line)]
+            new_text = "".join(line for line in new_lines
+                               if not LOOKUP_LINE.search(line) and not VISION_OFFLOAD_LINE.search(line))
             assert not STUBS.search(new_text), f"{action} {stream} still names a removed stub"
             old_text = old_text.replace(OLD_EXTRA_ARGS_DOC, knobs.BY_NAME["EXTRA_ARGS"].doc)
             if action == "explain" and stream == "stdout" and new["rc"] == 0:
@@ -134,6 +147,8 @@ def test_rendering_is_unchanged(mode, env, before):
                 assert tp_lines == 1, "explain lists TP once"
                 new_text, vision_lines = VISION_LINE.subn("", new_text)
                 assert vision_lines == (env.get("VISION") == "1"), "explain shows the tower with VISION=1 only"
+                if env.get("VISION") == "1" and env.get("VISION_OFFLOAD") != "0":
+                    old_text, new_text = offloaded_weights_compared(old_text, new_text)
             old_text, old_lines = split_draft_lines(old_text)
             new_text, new_lines = split_draft_lines(new_text)
             draft_old += old_lines
@@ -144,6 +159,7 @@ def test_rendering_is_unchanged(mode, env, before):
         if old["rc"] == new["rc"] == 0:
             assert_draft_lines_changed_as_intended(mode, env, action, draft_old, draft_new)
         assert_lookup_lines_as_intended(mode, env, action, new["rc"], lookup_new)
+        assert_vision_offload_lines_as_intended(env, action, new["rc"], offload_new)
         if refusal:  # a false OK is now refused, with the reason
             assert old["rc"] == 0 and new["rc"] == 2 and refusal in new["stderr"] and not new["stdout"], action
         elif old["rc"] != new["rc"]:  # only the refusal of a stub's own value may go
@@ -165,6 +181,34 @@ def assert_lookup_lines_as_intended(mode: str, env: dict[str, str], action: str,
     else:
         defaults = [f"export {var}={default}" for var, _, default, _ in knobs.LOOKUP_PARAMS]
         assert lines == ["export VLLM_DFLASH2_LOOKUP=1", *defaults], lines
+
+
+def offloaded_weights_compared(old_text: str, new_text: str) -> tuple[str, str]:
+    """Both texts with their "weights on GPU" figure blanked, once the new one is the old one less what the
+    offload keeps off the card."""
+    (old,), (new,) = WEIGHTS_LINE.findall(old_text), WEIGHTS_LINE.findall(new_text)
+    off_card = (memory.VISION_TOWER_BYTES - knobs.VISION_OFFLOAD_GIB * memory.GiB) / memory.GiB
+    assert abs(float(old[1]) - off_card - float(new[1])) <= 0.011, (old, new)
+    return WEIGHTS_LINE.sub(r"\1-\3", old_text), WEIGHTS_LINE.sub(r"\1-\3", new_text)
+
+
+def assert_vision_offload_lines_as_intended(env: dict[str, str], action: str, rc: int, lines: list[str]) -> None:
+    vision, offload = env.get("VISION") == "1", env.get("VISION_OFFLOAD", "1") == "1"
+    note = "note: VISION_OFFLOAD=1 because VISION=1"
+    if rc != 0:
+        assert lines == [], lines
+    elif action == "explain":
+        assert [line.split()[:3] for line in lines if not line.startswith("note:")] == \
+            [["VISION_OFFLOAD", "=", str(int(vision and offload))], ["VISION_OFFLOAD_GIB", "=", "0.125"]], lines
+        assert [line for line in lines if line.startswith(note)] == [line for line in lines if line.startswith("note:")]
+    elif not vision:
+        assert lines == [], lines
+    elif not offload:
+        assert lines == ["export VLLM_VISION_OFFLOAD=0"], lines
+    else:
+        assert [line for line in lines if not line.startswith(note)] == \
+            ["export VLLM_VISION_OFFLOAD=1", f"export VLLM_VISION_OFFLOAD_GIB={knobs.VISION_OFFLOAD_GIB}"], lines
+        assert sum(line.startswith(note) for line in lines) == 1, lines
 
 
 def assert_draft_lines_changed_as_intended(mode: str, env: dict[str, str], action: str, old: list[str],

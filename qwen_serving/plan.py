@@ -463,7 +463,7 @@ def _size_pool(v: Values, model: str, probe: Probe, notes: list[str],
     if v.vision:
         on_card = memory.vision_card_bytes(offload_gib)
         where = ("BF16 weights (in the weights below), whole on every card" if offload_gib is None else
-                 f"{_gib(memory.VISION_TOWER_BYTES)} of BF16 weights in pinned host RAM, each module copied to the "
+                 f"{_gib(memory.VISION_TOWER_BYTES)} of BF16 weights in host RAM, each module copied to the "
                  f"card for its forward, at most {_gib(on_card)} there at once (in the weights below)")
         derived.append(Derived("vision tower", f"{_gib(on_card)} + {encoder_cache // memory.MiB} MiB encoder cache",
                                f"{where}; 1 image per prompt of at most {knobs.VISION_IMAGE_TOKENS:,} tokens "

@@ -141,7 +141,7 @@ def test_memory_counts_the_offload_budget_instead_of_the_tower(probe):
     assert memory.weights("off", vision=True, vision_offload_gib=0.25).whole == 0.25 * memory.GiB  # on every card
     line = next(x for x in plan.explain_lines(plan.build("single", {"VISION": "1"}, probe), probe)
                 if x.startswith("vision tower "))
-    assert "0.12 GiB + 20 MiB encoder cache" in line and "0.86 GiB of BF16 weights in pinned host RAM" in line
+    assert "0.12 GiB + 20 MiB encoder cache" in line and "0.86 GiB of BF16 weights in host RAM" in line
     for mode in knobs.MODES:  # the plan's weights take the budget
         on = plan.build(mode, {"VISION": "1"}, probe).derived
         off = plan.build(mode, {"VISION": "1", "VISION_OFFLOAD": "0"}, probe).derived

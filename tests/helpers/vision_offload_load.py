@@ -76,7 +76,7 @@ def main() -> None:
         }
         pixels = torch.randn(GRID[0] * GRID[1] * GRID[2], 3 * tower.temporal_patch_size * tower.patch_size ** 2,
                              generator=torch.Generator().manual_seed(0))
-        with torch.no_grad(), set_current_vllm_config(config), set_forward_context(None, config):
+        with torch.inference_mode(), set_current_vllm_config(config), set_forward_context(None, config):
             (out[run],) = target.embed_multimodal(pixel_values=pixels, image_grid_thw=torch.tensor([GRID]))
     print("RESULT " + json.dumps({**runs, "bit_exact": bool(torch.equal(out["off"], out["on"])),
                                   "shape": list(out["on"].shape)}))

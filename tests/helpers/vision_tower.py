@@ -50,7 +50,8 @@ def patches(tower: torch.nn.Module, grid: tuple[int, int, int], seed: int = 1) -
 
 
 def encode(tower: torch.nn.Module, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
-    """The tower's forward on one image (what embed_multimodal calls), in vLLM's forward context."""
+    """The tower's forward on one image (what embed_multimodal calls), in vLLM's forward context and in inference
+    mode, as vLLM's model runner calls it."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.models import qwen3_vl
@@ -59,7 +60,7 @@ def encode(tower: torch.nn.Module, pixels: torch.Tensor, grid: tuple[int, int, i
     triton = qwen3_vl.HAS_TRITON
     qwen3_vl.HAS_TRITON = triton and tower.patch_embed.proj.weight.is_cuda  # the Triton kernel on a GPU only
     try:
-        with torch.no_grad(), set_current_vllm_config(config), set_forward_context(None, config):
+        with torch.inference_mode(), set_current_vllm_config(config), set_forward_context(None, config):
             return tower(pixels, [list(grid)])
     finally:
         qwen3_vl.HAS_TRITON = triton

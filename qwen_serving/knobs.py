@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import math
 import re
 import shlex
 import sys
@@ -24,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import files
+from . import files, model
 
 MODES = ("batch", "single")
 BASE_MODEL = "models/Qwen3.8-27B-W4A16-AutoRound"
@@ -37,6 +38,9 @@ SERVED_NAME = "qwen3.8-27b"
 API_KEY_FILE = "api_key.txt"
 VISION_IMAGE_TOKENS = 2048  # the pixel cap VISION=1 sets, in image tokens
 VISION_MAX_PIXELS = VISION_IMAGE_TOKENS * 32 * 32  # one image token per 32x32 pixels (16-pixel patches, 2x2 merge)
+VISION_OFFLOAD_ENV = "VLLM_VISION_OFFLOAD"  # read by patches/vision-offload.patch (engine/vision_offload.py)
+VISION_OFFLOAD_GIB = 0.125  # the default budget: the merger stays on the card, the 27 blocks stream
+VISION_OFFLOAD_MIN_GIB = math.ceil(model.vision_offload_floor_bytes() / (1 << 30) * 1000) / 1000  # 0.093
 HUGE_KV = "kvarn"  # the long-context cache dtype CTX=huge and KV=kvarn ask for (the KVarN cache is not built yet)
 LOOKUP_ENV = "VLLM_DFLASH2_LOOKUP"  # read by patches/dflash2-lookup.patch (engine/spec_dflash2_lookup.py)
 LOOKUP_MAX_NMAX = 64  # the lookup kernel unrolls its match loop NMAX times
@@ -193,6 +197,19 @@ def _fraction(text: str) -> float:
     if not 0.0 < value <= 1.0:
         raise KnobError(f"{value} is not a fraction in (0, 1]")
     return value
+
+
+def _gib_at_least(lo: float) -> Parser:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise KnobError(f"not a number of GiB: {text!r}") from None
+        if not lo <= value < math.inf:
+            raise KnobError(f"{value:g} GiB is below {lo:g}, the least the vision tower needs on the card at once")
+        return value
+
+    return _samples(parse, "0.25", "1")
 
 
 def _bit(text: str) -> int:
@@ -511,6 +528,17 @@ KNOBS: tuple[Knob, ...] = (
          argv=_switch(["--limit-mm-per-prompt", json.dumps({"image": 1}),
                        "--mm-processor-kwargs", json.dumps({"max_pixels": VISION_MAX_PIXELS})],
                       ["--language-model-only"])),
+    Knob("VISION_OFFLOAD", _bit, _rules(
+        Rule(1, {"VISION": 1}, "the whole tower takes 0.858 GiB of the card; with SPEC=dflash2 24 GB do not boot (spec)"),
+        Rule(0)),
+         "VISION=1: the tower's weights in pinned host RAM, each module copied to the card for its own forward, at "
+         "most VISION_OFFLOAD_GIB of it on the card at once (spec: 296 -> 333 ms per 8192-patch image, reference "
+         "RTX 3090); 0 keeps the whole tower on the card. Not run on a GPU yet",
+         export=Export(VISION_OFFLOAD_ENV, {"VISION": 1})),
+    Knob("VISION_OFFLOAD_GIB", _gib_at_least(VISION_OFFLOAD_MIN_GIB), _rules(Rule(VISION_OFFLOAD_GIB)),
+         f"VISION_OFFLOAD=1: GiB of the tower on the card at once (at least {VISION_OFFLOAD_MIN_GIB}); modules that "
+         "fit stay there, largest first, the rest stream through one slot; the memory model counts this instead of "
+         "the tower", export=Export(f"{VISION_OFFLOAD_ENV}_GIB", {"VISION": 1, "VISION_OFFLOAD": 1})),
     Knob("REQ_METRICS", _bit, _rules(Rule(0)),
          "1 = `--enable-per-request-metrics --enable-force-include-usage` (not with --disable-log-stats)",
          argv=_switch(["--enable-per-request-metrics", "--enable-force-include-usage"])),
@@ -562,9 +590,15 @@ CHECKS: tuple[Check, ...] = (
           "TOOL_PARSER=hermes reads JSON calls; this model's template emits XML (qwen3_coder)", warn=True),
     Check({"SPEC": "dflash2", "DRAFT_TOKENS": SET},
           "DRAFT_TOKENS is MTP's depth; with SPEC=dflash2 set DFLASH_TOKENS", warn=True),
-    Check({"SPEC": "dflash2", "VISION": 1},
-          "SPEC=dflash2 VISION=1 does not boot on a 24 GB card without offloading the vision tower to host RAM, "
-          "which this project does not offer yet (spec); use SPEC=mtp with VISION=1 there", warn=True),
+    Check({"SPEC": "dflash2", "VISION": 1, "VISION_OFFLOAD": 0},
+          "SPEC=dflash2 VISION=1 VISION_OFFLOAD=0 keeps the whole 0.858 GiB vision tower on the card, which beside "
+          "the DFlash2 drafter does not boot on a 24 GB card (spec); unset VISION_OFFLOAD there", warn=True),
+    Check({"VISION": 0, "VISION_OFFLOAD": 1},
+          "VISION_OFFLOAD=1 streams the vision tower from host RAM, and VISION=0 serves without the tower; set "
+          "VISION=1 for images, or unset VISION_OFFLOAD"),
+    Check({"VISION_OFFLOAD": 0, "VISION_OFFLOAD_GIB": SET},
+          "VISION_OFFLOAD_GIB is set but VISION_OFFLOAD=0 (or VISION=0); it applies with VISION=1 VISION_OFFLOAD=1",
+          warn=True),
     Check({"mode": "single", "PREFILL_ATTN": "int8", "CTX": ("long", "huge")},
           "PREFILL_ATTN=int8 hooks vLLM's FlashAttention backend, and CTX={CTX} serves on another one: set "
           "PREFILL_ATTN=off, or CTX=fast for the int8 prefill"),
@@ -577,6 +611,7 @@ CHECKS: tuple[Check, ...] = (
 BATCHED_TOKENS = "--max-num-batched-tokens"
 RENDER_ORDER = ("MODEL", "HOST", "PORT", "TP", "MAX_SEQS", "MAX_LEN", "STATE_DTYPE", "CTX", "KV", "KV_MEM", "GPU_UTIL",
                 "PREFIX_CACHE", "SPEC", "ASYNC_SCHED", "CUDAGRAPH_MODE", BATCHED_TOKENS, "TOOLS", "VISION",
+                "VISION_OFFLOAD", "VISION_OFFLOAD_GIB",
                 "REQ_METRICS", "API_SERVERS", "GDN_PREFILL", "EXTRA_ARGS",
                 "INT8_ACT", "INT8_LAYERS", "SPEC_ATTN", "MTP_DRAFT_VOCAB", "PREFILL_ATTN", "LOOKUP",
                 *(var for var, *_ in LOOKUP_PARAMS))
@@ -656,6 +691,8 @@ class Values:
     tools: int
     tool_parser: str
     vision: int
+    vision_offload: int
+    vision_offload_gib: float
     req_metrics: int
     api_servers: int
     async_sched: int

@@ -273,6 +273,12 @@ def int_bytes(params: int, bits: int, group: int = 128) -> float:
 VISION_TOWER_BYTES = 0.858 * GiB  # spec figure: the BF16 vision tower of this checkpoint (model.vision_tower_bytes)
 
 
+def vision_card_bytes(offload_gib: float | None = None) -> float:
+    """The vision tower's bytes on the card: all of it, or with VISION_OFFLOAD=1 its budget (`offload_gib`), the
+    most engine/vision_offload.py keeps there at once, never more than the tower."""
+    return VISION_TOWER_BYTES if offload_gib is None else min(offload_gib * GiB, VISION_TOWER_BYTES)
+
+
 def encoder_cache_bytes(batched_tokens: int, image_tokens: int) -> int:
     """VISION=1: the encoder outputs vLLM 0.28.0 keeps on the card while it profiles the pool. Its profile run
     encodes dummy images up to the encoder budget (v1/core/encoder_cache_manager.py compute_mm_encoder_budget:
@@ -303,7 +309,9 @@ class Weights:
         return self.split + self.whole
 
 
-def weights(spec: str = "mtp", fast_variant: bool = True, vision: bool = False) -> Weights:
+def weights(spec: str = "mtp", fast_variant: bool = True, vision: bool = False,
+            vision_offload_gib: float | None = None) -> Weights:
+    """With `vision`, the tower counts as vision_card_bytes(vision_offload_gib)."""
     table = model.VOCAB * model.HIDDEN
     split = int_bytes(body_params(), 4) + int_bytes(table, 8)  # body + embed_tokens
     split += int_bytes(table, 4 if fast_variant else 8)  # lm_head
@@ -313,13 +321,14 @@ def weights(spec: str = "mtp", fast_variant: bool = True, vision: bool = False) 
     elif spec == "dflash2":
         whole += DFLASH2_DRAFTER_BYTES
     if vision:
-        whole += VISION_TOWER_BYTES
+        whole += vision_card_bytes(vision_offload_gib)
     return Weights(split, whole)
 
 
-def weights_bytes(spec: str = "mtp", fast_variant: bool = True, vision: bool = False, tp: int = 1) -> float:
+def weights_bytes(spec: str = "mtp", fast_variant: bool = True, vision: bool = False, tp: int = 1,
+                  vision_offload_gib: float | None = None) -> float:
     """GPU bytes of the served weights on one of `tp` cards."""
-    return weights(spec, fast_variant, vision).per_card(tp)
+    return weights(spec, fast_variant, vision, vision_offload_gib).per_card(tp)
 
 
 # ---- what sits beside the KV pool on the card ----

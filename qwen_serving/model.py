@@ -176,6 +176,26 @@ def vision_tower_bytes(config: dict = VISION_CONFIG) -> int:
     return sum(math.prod(shape) for shape in vision_tensor_shapes(config).values()) * DTYPE_BYTES[DTYPE]
 
 
+VISION_ROTARY_POSITIONS = 8192  # vLLM 0.28.0's qwen3_vl.py builds the tower's rotary cos/sin cache this long
+VISION_OFFLOAD_ALIGN = 256  # bytes: the offset of each tensor in a streamed module's buffer (engine/vision_offload.py)
+
+
+def vision_offload_floor_bytes(config: dict = VISION_CONFIG) -> int:
+    """VISION_OFFLOAD=1: the least of the tower the card holds at once (engine/vision_offload.py). What always
+    stays (patch embed, position table, the BF16 rotary cache of head_dim / 2 cos and sin values per position)
+    plus the largest module it streams (a block or the merger), each tensor at an aligned offset of its buffer."""
+    shapes = vision_tensor_shapes(config)
+    element = DTYPE_BYTES[DTYPE]
+
+    def buffer(prefix: str) -> int:
+        return sum(-(-math.prod(shape) * element // VISION_OFFLOAD_ALIGN) * VISION_OFFLOAD_ALIGN
+                   for name, shape in shapes.items() if name.startswith(prefix))
+
+    stays = sum(math.prod(shape) for name, shape in shapes.items() if name.startswith(("patch_embed.", "pos_embed.")))
+    rotary = VISION_ROTARY_POSITIONS * config["hidden_size"] // config["num_heads"] // 2
+    return (stays + rotary) * element + max(buffer("blocks.0."), buffer("merger."))
+
+
 # ---- the DFlash2 drafter (SPEC=dflash2) ----
 # 5 Qwen3-style sliding-window layers. Its 8 KV heads x 128 give the same bytes per token as the target's
 # 4 x 256, so its pages line up with the target's (taken from the design probe

@@ -20,7 +20,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -456,14 +456,19 @@ def _size_pool(v: Values, model: str, probe: Probe, notes: list[str],
                               spec_tokens=_spec_tokens(v), prefix_cache=bool(v.prefix_cache),
                               async_scheduling=bool(v.async_sched), max_num_batched_tokens=batched_tokens or VLLM_BATCHED_TOKENS,
                               tp=v.tp, max_num_seqs=v.max_seqs if kv_dtype == HUGE_KV else 1)  # only KVarN's staging reads it
-    weights = memory.weights_bytes(v.spec, fast_variant=(model == FAST_MODEL), vision=bool(v.vision), tp=v.tp)
+    offload_gib = _vision_offload_gib(lambda name: getattr(v, name.lower()))
+    weights = memory.weights_bytes(v.spec, fast_variant=(model == FAST_MODEL), vision=bool(v.vision), tp=v.tp,
+                                   vision_offload_gib=offload_gib)
     encoder_cache = _encoder_cache(v.mode, bool(v.vision))
     if v.vision:
-        derived.append(Derived("vision tower", f"{_gib(memory.VISION_TOWER_BYTES)} + {encoder_cache // memory.MiB} MiB encoder "
-                                               "cache", f"BF16 weights (in the weights below), whole on every card; "
-                                               f"1 image per prompt of at most {knobs.VISION_IMAGE_TOKENS:,} tokens "
-                                               f"({knobs.VISION_MAX_PIXELS:,} pixels); the encoder outputs vLLM "
-                                               "profiles beside the activation peak"))
+        on_card = memory.vision_card_bytes(offload_gib)
+        where = ("BF16 weights (in the weights below), whole on every card" if offload_gib is None else
+                 f"{_gib(memory.VISION_TOWER_BYTES)} of BF16 weights in host RAM, each module copied to the "
+                 f"card for its forward, at most {_gib(on_card)} there at once (in the weights below)")
+        derived.append(Derived("vision tower", f"{_gib(on_card)} + {encoder_cache // memory.MiB} MiB encoder cache",
+                               f"{where}; 1 image per prompt of at most {knobs.VISION_IMAGE_TOKENS:,} tokens "
+                               f"({knobs.VISION_MAX_PIXELS:,} pixels); the encoder outputs vLLM profiles beside the "
+                               "activation peak"))
     kv_mem = v.kv_mem if isinstance(v.kv_mem, int) else None
     if v.kv_mem == "auto":
         kv_mem = _auto_pool(v, probe, weights, encoder_cache, notes)
@@ -487,6 +492,12 @@ def _size_pool(v: Values, model: str, probe: Probe, notes: list[str],
     if kv_mem is None and v.kv_mem == "":
         derived.append(Derived("pool", f"--gpu-memory-utilization {v.gpu_util}", "KV_MEM empty: vLLM sizes it"))
     return Sized(model, max_len, kv_mem, kv_dtype, backend, batched_tokens), cache, weights
+
+
+def _vision_offload_gib(value: Callable[[str], object]) -> float | None:
+    """VISION_OFFLOAD=1's budget, which the memory model counts for the tower (None: the whole tower); `value`
+    reads a knob by name."""
+    return float(value("VISION_OFFLOAD_GIB")) if value("VISION") and value("VISION_OFFLOAD") else None
 
 
 def _encoder_cache(mode: str, vision: bool) -> int:
@@ -549,7 +560,8 @@ def _per_card(tp: int) -> str:
 
 def _card_lines(v: Values, model: str) -> list[Derived]:
     """TP > 1: what each card holds besides its share of the pool."""
-    w = memory.weights(v.spec, fast_variant=(model == FAST_MODEL), vision=bool(v.vision))
+    w = memory.weights(v.spec, fast_variant=(model == FAST_MODEL), vision=bool(v.vision),
+                       vision_offload_gib=_vision_offload_gib(lambda name: getattr(v, name.lower())))
     whole = f" + {_gib(w.whole)} whole on every card (the DFlash2 drafter, the vision tower)" if w.whole else ""
     return [Derived("cards", v.tp, "--tensor-parallel-size: each card holds 1/TP of the KV heads, the GDN state, "
                                    "the linears and the vocabulary rows"),
@@ -614,7 +626,8 @@ def explain_lines(plan: ServePlan, probe: Probe) -> list[str]:
         if plan.cache and len(cards) >= tp:
             spec = plan.value("SPEC") if "SPEC" in plan.settings else "off"
             weights = memory.weights_bytes(spec, fast_variant=FAST_MODEL in plan.argv[2],
-                                           vision=bool(plan.value("VISION")), tp=tp)
+                                           vision=bool(plan.value("VISION")), tp=tp,
+                                           vision_offload_gib=_vision_offload_gib(plan.value))
             encoder_cache = _encoder_cache(plan.mode, bool(plan.value("VISION")))
             fit = memory.auto_kv_mem(min(cards)[0], weights, tp=tp, encoder_cache=encoder_cache)
             comm = " - communicators" if tp > 1 else ""

@@ -269,9 +269,10 @@ def test_rules_written_once_give_the_default_and_the_refusal(probe):
             assert any(f"{knob}={past}" in w for w in plan.build(mode, {**env, knob: past}, probe).warnings)
 
 
-def test_dflash2_with_vision_warns(probe):
-    p = plan.build("single", {"SPEC": "dflash2", "VISION": "1"}, probe)
-    assert any("VISION=1 does not boot" in w for w in p.warnings)
+def test_dflash2_with_the_whole_vision_tower_on_the_card_warns(probe):
+    p = plan.build("single", {"SPEC": "dflash2", "VISION": "1", "VISION_OFFLOAD": "0"}, probe)
+    assert any("VISION_OFFLOAD=0 keeps the whole 0.858 GiB vision tower" in w for w in p.warnings)
+    assert not plan.build("single", {"SPEC": "dflash2", "VISION": "1"}, probe).warnings  # offloaded by default
 
 
 def test_wsl2_gets_pinned_memory_for_dflash2(probe):

@@ -185,7 +185,9 @@ def test_every_mode_and_pairing_plans_under_tp(tp, mode, env, probe, vllm_cli):
     derived = {d.name: d for d in split.derived}
     assert derived["cards"].value == int(tp) and "weights on GPU" not in derived
     weights = memory.weights_bytes(split.value("SPEC") if mode == "single" else "off", fast_variant=False,
-                                   vision=bool(split.value("VISION")), tp=int(tp))
+                                   vision=bool(split.value("VISION")), tp=int(tp),
+                                   vision_offload_gib=split.value("VISION_OFFLOAD_GIB") if split.value("VISION_OFFLOAD")
+                                   else None)  # VISION=1 offloads the tower by default: its budget counts
     assert derived["weights per card"].value == f"{weights / GiB:.2f} GiB"
     if split.cache:
         assert split.cache.tp == int(tp) and derived["state page per resident"].value.endswith(" per card")

@@ -1,6 +1,7 @@
 """VISION=1 (issue #23, CPU half): the synthetic tower loads in vLLM 0.28.0's own model code and encodes images;
 the plan's flags parse the way vLLM reads them; a checkpoint without the tower is refused before boot; the
-memory model counts the tower and the encoder cache."""
+memory model counts the tower (or, with VISION_OFFLOAD=1, its budget) and the encoder cache. The offload itself:
+tests/test_engine_vision_offload.py."""
 
 from __future__ import annotations
 
@@ -102,6 +103,61 @@ def test_the_synthetic_checkpoint_passes_the_vision_check(tiny, tmp_path):
     assert "--language-model-only" not in p.argv
 
 
+def test_vision_offload_is_exported_for_the_patch_and_leaves_the_argv_alone(vllm_cli, probe):
+    offloaded, ea = _vision_argv(vllm_cli, probe, {})
+    assert offloaded.env[knobs.VISION_OFFLOAD_ENV] == "1"
+    assert float(offloaded.env[knobs.VISION_OFFLOAD_ENV + "_GIB"]) == knobs.VISION_OFFLOAD_GIB
+    assert ea.language_model_only is False and ea.limit_mm_per_prompt == {"image": 1}
+    whole, _ = _vision_argv(vllm_cli, probe, {"VISION_OFFLOAD": "0"})
+    assert whole.env[knobs.VISION_OFFLOAD_ENV] == "0" and knobs.VISION_OFFLOAD_ENV + "_GIB" not in whole.env
+    assert whole.argv == offloaded.argv  # the offload is the patch's business: vLLM's flags are the same
+    budget, _ = _vision_argv(vllm_cli, probe, {"VISION_OFFLOAD_GIB": "0.5"})
+    assert budget.env[knobs.VISION_OFFLOAD_ENV + "_GIB"] == "0.5"
+    for mode in knobs.MODES:  # the tower is not there: nothing to offload, nothing exported
+        text = plan.build(mode, {}, probe)
+        assert text.value("VISION_OFFLOAD") == 0 and not any(k.startswith(knobs.VISION_OFFLOAD_ENV) for k in text.env)
+    assert plan.build("batch", {"VISION": "1"}, probe).env[knobs.VISION_OFFLOAD_ENV] == "1"  # batch as single
+
+
+def test_vision_offload_without_the_tower_and_a_budget_below_the_floor_are_refused(probe):
+    with pytest.raises(PlanError, match=r"VISION_OFFLOAD=1 streams the vision tower .* set VISION=1 for images, or "
+                                        r"unset VISION_OFFLOAD"):
+        plan.build("single", {"VISION_OFFLOAD": "1"}, probe)
+    floor = model.vision_offload_floor_bytes() / memory.GiB
+    assert knobs.VISION_OFFLOAD_MIN_GIB - 0.001 < floor <= knobs.VISION_OFFLOAD_MIN_GIB
+    with pytest.raises(PlanError, match=rf"VISION_OFFLOAD_GIB='0.09': 0.09 GiB is below {knobs.VISION_OFFLOAD_MIN_GIB}"):
+        plan.build("single", {"VISION": "1", "VISION_OFFLOAD_GIB": "0.09"}, probe)
+    assert plan.build("single", {"VISION": "1", "VISION_OFFLOAD_GIB": str(knobs.VISION_OFFLOAD_MIN_GIB)}, probe)
+    unused = plan.build("single", {"VISION": "1", "VISION_OFFLOAD": "0", "VISION_OFFLOAD_GIB": "0.5"}, probe)
+    assert any("VISION_OFFLOAD_GIB is set but VISION_OFFLOAD=0" in w for w in unused.warnings)
+
+
+def test_memory_counts_the_offload_budget_instead_of_the_tower(probe):
+    whole = memory.weights_bytes("dflash2", vision=True)
+    offloaded = memory.weights_bytes("dflash2", vision=True, vision_offload_gib=0.125)
+    assert whole - offloaded == pytest.approx(memory.VISION_TOWER_BYTES - 0.125 * memory.GiB)
+    assert memory.weights_bytes("dflash2", vision=True, vision_offload_gib=2.0) == whole  # never more than the tower
+    assert memory.weights_bytes("dflash2", vision=False, vision_offload_gib=0.125) == memory.weights_bytes("dflash2")
+    assert memory.weights("off", vision=True, vision_offload_gib=0.25).whole == 0.25 * memory.GiB  # on every card
+    line = next(x for x in plan.explain_lines(plan.build("single", {"VISION": "1"}, probe), probe)
+                if x.startswith("vision tower "))
+    assert "0.12 GiB + 20 MiB encoder cache" in line and "0.86 GiB of BF16 weights in host RAM" in line
+    for mode in knobs.MODES:  # the plan's weights take the budget
+        on = plan.build(mode, {"VISION": "1"}, probe).derived
+        off = plan.build(mode, {"VISION": "1", "VISION_OFFLOAD": "0"}, probe).derived
+        on_gib, off_gib = (float(next(d.value for d in ds if d.name == "weights on GPU").split()[0]) for ds in (on, off))
+        assert off_gib - on_gib == pytest.approx((memory.VISION_TOWER_BYTES - 0.125 * memory.GiB) / memory.GiB, abs=0.011)
+
+
+def test_auto_pool_grows_by_what_the_offload_keeps_off_the_card(tmp_path):
+    probe = Probe(repo=tmp_path, kv_dtypes=vllm_028.KV_CACHE_DTYPES, free_vram=int(23.6 * memory.GiB),
+                  total_vram=24 * memory.GiB)
+    whole = plan.build("single", {"KV_MEM": "auto", "VISION": "1", "VISION_OFFLOAD": "0"}, probe)
+    offloaded = plan.build("single", {"KV_MEM": "auto", "VISION": "1"}, probe)
+    assert offloaded.kv_mem - whole.kv_mem == pytest.approx(memory.VISION_TOWER_BYTES - 0.125 * memory.GiB,
+                                                            abs=memory.MiB)
+
+
 def test_memory_counts_the_tower_and_the_encoder_cache(probe):
     # vLLM keeps max(--max-num-batched-tokens, one image's tokens) encoder rows of the text width in BF16
     assert memory.encoder_cache_bytes(2048, 2048) == 2048 * 5120 * 2
@@ -113,7 +169,7 @@ def test_memory_counts_the_tower_and_the_encoder_cache(probe):
     cache = memory.encoder_cache_bytes(memory.PREFILL_CHUNK, knobs.VISION_IMAGE_TOKENS)
     assert memory.auto_kv_mem(free, text) - memory.auto_kv_mem(free, with_tower, encoder_cache=cache) == \
         pytest.approx(memory.VISION_TOWER_BYTES + cache, abs=memory.MiB)
-    lines = plan.explain_lines(plan.build("single", {"VISION": "1"}, probe), probe)
+    lines = plan.explain_lines(plan.build("single", {"VISION": "1", "VISION_OFFLOAD": "0"}, probe), probe)
     tower = [line for line in lines if line.startswith("vision tower ")]
     assert len(tower) == 1 and "0.86 GiB + 20 MiB encoder cache" in tower[0] and "2,048 tokens" in tower[0]
     assert not [line for line in plan.explain_lines(plan.build("single", {}, probe), probe)
@@ -124,7 +180,7 @@ def test_auto_pool_takes_the_encoder_cache_out(tmp_path):
     probe = Probe(repo=tmp_path, kv_dtypes=vllm_028.KV_CACHE_DTYPES, free_vram=int(23.6 * memory.GiB),
                   total_vram=24 * memory.GiB)
     text = plan.build("single", {"KV_MEM": "auto"}, probe)
-    vision = plan.build("single", {"KV_MEM": "auto", "VISION": "1"}, probe)
+    vision = plan.build("single", {"KV_MEM": "auto", "VISION": "1", "VISION_OFFLOAD": "0"}, probe)
     cache = memory.encoder_cache_bytes(memory.PREFILL_CHUNK, knobs.VISION_IMAGE_TOKENS)
     assert text.kv_mem - vision.kv_mem == pytest.approx(memory.VISION_TOWER_BYTES + cache, abs=memory.MiB)
     assert any(f"{cache / memory.GiB:.2f} GiB encoder cache" in note for note in vision.notes)

@@ -8,4 +8,5 @@ here imports the planning modules of `qwen_serving` (plan, knobs, memory, patchs
 tests/test_structure.py enforces both.
 """
 
-HOOK_COMPONENTS = ("attn", "sampler", "marlin", "mtp", "kv", "gdn", "env", "api", "spec")  # api: the HTTP server; spec: speculative decoding on the V2 runner
+# api: the HTTP server; spec: speculative decoding on the V2 runner; vision: the multimodal encoder
+HOOK_COMPONENTS = ("attn", "sampler", "marlin", "mtp", "kv", "gdn", "env", "api", "spec", "vision")

@@ -30,6 +30,9 @@ def install() -> None:
     lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     globals()["_torchvision_lib"] = lib  # keep the registration alive
+    # The vllm wheel is a CUDA build: its CPU kernels are not in it, yet on a CPU with AMX tiles vLLM's CPU
+    # linear/conv dispatch calls one (torch.ops._C.causal_conv1d_weight_pack); report no AMX so it keeps torch's.
+    torch.cpu._is_amx_tile_supported = lambda: False
     # vLLM swaps Triton for placeholders unless a GPU driver is active; the interpreter needs the real one.
     try:
         from triton.backends import backends

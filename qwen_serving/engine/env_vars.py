@@ -36,6 +36,17 @@ def count(raw: str) -> int:
     return value
 
 
+def gib(raw: str) -> float:
+    """A size in GiB, above 0 (0.125 is 128 MiB)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("not a number") from None
+    if not 0 < value < float("inf"):
+        raise ValueError("must be a number of GiB above 0")
+    return value
+
+
 def one_of(*choices: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         if raw not in choices:
@@ -91,6 +102,11 @@ DECLARED = (
            "dflash2-lookup.patch: a match this long replaces the drafter's tokens on its own"),
     EnvVar("VLLM_DFLASH2_LOOKUP_AGREE", "2", count, "int",
            "dflash2-lookup.patch: a shorter match is taken only where the drafter's first AGREE tokens equal it"),
+    EnvVar("VLLM_VISION_OFFLOAD", "0", flag, "bool",
+           "vision-offload.patch: the vision tower's weights in host RAM, each module copied to the GPU for its "
+           "own forward (engine.vision_offload); 0 keeps the tower on the GPU"),
+    EnvVar("VLLM_VISION_OFFLOAD_GIB", "0.125", gib, "float",
+           "vision-offload.patch: the most GiB of the vision tower on the GPU at once (modules that fit stay there)"),
 )
 BY_NAME = {var.name: var for var in DECLARED}
 

@@ -199,7 +199,8 @@ def test_the_patched_hook_quotes_on_a_quoting_prompt_and_keeps_the_drafter_other
     for slot, ids in zip(slots.tolist(), prompts, strict=True):
         history[slot, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
     lengths = torch.tensor([len(prompts[1]), len(prompts[0])], dtype=torch.int32)
-    req_states = SimpleNamespace(all_token_ids=SimpleNamespace(gpu=history), total_len=SimpleNamespace(gpu=lengths))
+    req_states = SimpleNamespace(all_token_ids=SimpleNamespace(gpu=history), total_len=SimpleNamespace(gpu=lengths),
+                                 draft_tokens=torch.zeros(2, K, dtype=torch.int64))  # the runner's: K wide
     monkeypatch.setenv("VLLM_DFLASH2_LOOKUP", "0")
     assert sdl.attach(speculator, req_states) is None  # LOOKUP=0: the runner keeps no hook
     monkeypatch.setenv("VLLM_DFLASH2_LOOKUP", "1")

@@ -36,6 +36,17 @@ def count(raw: str) -> int:
     return value
 
 
+def whole(raw: str) -> int:
+    """A whole number >= 0 (a count of steps that may be none)."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("not an integer") from None
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
 def one_of(*choices: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         if raw not in choices:
@@ -91,6 +102,9 @@ DECLARED = (
            "dflash2-lookup.patch: a match this long replaces the drafter's tokens on its own"),
     EnvVar("VLLM_DFLASH2_LOOKUP_AGREE", "2", count, "int",
            "dflash2-lookup.patch: a shorter match is taken only where the drafter's first AGREE tokens equal it"),
+    EnvVar("VLLM_DFLASH2_LOOKUP_STICKY", "3", whole, "int",
+           "dflash2-verify-block.patch: steps the long verify block is held after its flags drop, with one "
+           "request in flight (engine.spec_verify_block)"),
 )
 BY_NAME = {var.name: var for var in DECLARED}
 

@@ -33,7 +33,9 @@ suggests it (OLD_EXTRA_ARGS_DOC is replaced by the new doc in the old output).
 Issue #18 item 2 (lookup drafting) offers LOOKUP and VLLM_DFLASH2_LOOKUP_{NMIN,NMAX,NSTRONG,AGREE} again, now
 read by patches/dflash2-lookup.patch (the spec's defaults: NSTRONG 8, AGREE 2); the old plan's other
 VLLM_DFLASH2_LOOKUP_* stubs stay removed. Their lines are dropped from the new output too and asserted apart
-(assert_lookup_lines_as_intended), and NMIN above NMAX is refused again, in the new words.
+(assert_lookup_lines_as_intended), and NMIN above NMAX is refused again, in the new words. Item 3 (the long verify
+block) offers VLLM_DFLASH2_LOOKUP_STICKY again (read by patches/dflash2-verify-block.patch), exported beside them;
+with DFLASH_TOKENS above 7 the plan notes why LOOKUP stays 1.
 
 Issue #23 ("Images") added one derived line to explain with VISION=1: "vision tower" (the tower's weights and
 the encoder cache the memory model counts), dropped from the new output (VISION_LINE), exactly once there and
@@ -54,8 +56,8 @@ from tests.helpers.plan_render import CONFIGS, render
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "plan-render.json"
 STUBS = re.compile(r"\b(LOOKUP|VLLM_DFLASH2_LOOKUP\w*|VISION_OFFLOAD|VLLM_VISION_CPU_OFFLOAD)\b")
-LOOKUP_KNOBS = ("LOOKUP", *(var for var, *_ in knobs.LOOKUP_PARAMS))  # offered again (issue #18)
-LOOKUP_LINE = re.compile(r"\b(LOOKUP|VLLM_DFLASH2_LOOKUP(_NMIN|_NMAX|_NSTRONG|_AGREE)?)\b")
+LOOKUP_KNOBS = ("LOOKUP", *(var for var, *_ in knobs.LOOKUP_PARAMS), knobs.LOOKUP_STICKY)  # offered again (#18)
+LOOKUP_LINE = re.compile(r"\b(LOOKUP|VLLM_DFLASH2_LOOKUP(_NMIN|_NMAX|_NSTRONG|_AGREE|_STICKY)?)\b")
 BEFORE = json.loads(FIXTURE.read_text())
 ACTIONS = ("--dry-run", "explain")
 DRAFT_LINES = re.compile(r"build_draft_vocab|VLLM_MTP_DRAFT_VOCAB|^(note: )?MTP_DRAFT_VOCAB|^DRAFT_IDS |^MTP draft head ",
@@ -151,20 +153,24 @@ def test_rendering_is_unchanged(mode, env, before):
 
 
 def assert_lookup_lines_as_intended(mode: str, env: dict[str, str], action: str, rc: int, lines: list[str]) -> None:
+    long_block = int(env.get("DFLASH_TOKENS", "7")) > 7  # LOOKUP's default is a bound there, with a note
     if rc != 0:
         nmin_refused = "is above VLLM_DFLASH2_LOOKUP_NMAX" in "".join(lines)
         assert nmin_refused == ("VLLM_DFLASH2_LOOKUP_NMIN" in env) and len(lines) == nmin_refused, lines
     elif mode == "batch":
         assert lines == [], action
     elif action == "explain":
-        assert [line.split()[0] for line in lines] == list(LOOKUP_KNOBS), lines
+        noted = ["note:"] if mode == "single" and env.get("SPEC") == "dflash2" and long_block else []
+        assert [line.split()[0] for line in lines] == [*LOOKUP_KNOBS, *noted], lines
     elif env.get("SPEC") != "dflash2":
         assert lines == [], lines
     elif env.get("LOOKUP") == "0":
         assert lines == ["export VLLM_DFLASH2_LOOKUP=0"], lines
     else:
         defaults = [f"export {var}={default}" for var, _, default, _ in knobs.LOOKUP_PARAMS]
-        assert lines == ["export VLLM_DFLASH2_LOOKUP=1", *defaults], lines
+        note = ["note: LOOKUP=1 because SPEC=dflash2, DFLASH_TOKENS>7: only the lookup fills the block past the "
+                "drafter's 7"] if long_block else []
+        assert lines == ["export VLLM_DFLASH2_LOOKUP=1", *defaults, f"export {knobs.LOOKUP_STICKY}=3", *note], lines
 
 
 def assert_draft_lines_changed_as_intended(mode: str, env: dict[str, str], action: str, old: list[str],

@@ -234,11 +234,11 @@ def test_the_patched_hook_quotes_on_a_quoting_prompt_and_keeps_the_drafter_other
 LONG = 15
 
 
-def _engine_config(drafter: Path, target: Path, k: int, sample: str = "probabilistic"):
+def _engine_config(drafter: Path, target: Path, k: int, sample: str = "probabilistic", seats: int = 2):
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(model=str(target), language_model_only=True, max_model_len=512, enforce_eager=True,
-                      max_num_seqs=2, speculative_config={"method": "dflash", "model": str(drafter),
+                      max_num_seqs=seats, speculative_config={"method": "dflash", "model": str(drafter),
                                                           "num_speculative_tokens": k,
                                                           "draft_sample_method": sample}).create_engine_config()
 
@@ -278,6 +278,34 @@ def test_the_drafter_is_built_at_its_own_block_while_the_runner_verifies_the_lon
     assert config.compilation_config.cudagraph_capture_sizes == capture
     assert config.scheduler_config.max_num_scheduled_tokens == scheduled
     assert svb.decode_query_lens(config, LONG + 1) == [K + 1, LONG + 1]
+
+
+def test_decode_graphs_are_captured_for_both_block_lengths_and_a_step_replays_its_own(scripted, vllm_world,
+                                                                                       monkeypatch):
+    from vllm.config import set_current_vllm_config
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    from qwen_serving.engine import spec_verify_block as svb
+
+    target, drafter = scripted
+    config = _engine_config(drafter, target, LONG, seats=4)
+    # the sizes vLLM picks on a GPU (1, 2, 4, then multiples of 8), up to 64; enforce_eager on the CPU leaves none
+    config.compilation_config.cudagraph_capture_sizes = [1, 2, 4, *range(8, 65, 8)]
+    config.compilation_config.max_cudagraph_capture_size = 64
+    monkeypatch.setattr(cudagraph_utils.current_platform, "get_global_graph_pool", lambda: None)  # none on the CPU
+    mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    with set_current_vllm_config(config):
+        runner = cudagraph_utils.CudaGraphManager(config, torch.device("cpu"), mode, decode_query_len=LONG + 1)
+        drafter_graphs = cudagraph_utils.CudaGraphManager(svb.drafter_config(config), torch.device("cpu"), mode,
+                                                          decode_query_len=K + 1)
+    full = {(d.uniform_token_count, d.num_reqs) for d in runner._capture_descs[CUDAGraphMode.FULL]}
+    assert full == {(q, n) for q in (K + 1, LONG + 1) for n in range(1, 5)}
+    assert {d.uniform_token_count for d in drafter_graphs._capture_descs[CUDAGraphMode.FULL]} == {K + 1}
+    runner._graphs_captured = True  # what capture() sets; dispatch only reads the descriptors
+    short, long = runner.dispatch(1, K + 1, K + 1, 0), runner.dispatch(2, 2 * (LONG + 1), LONG + 1, 0)
+    assert (short.cg_mode, short.num_tokens, short.uniform_token_count) == (CUDAGraphMode.FULL, K + 1, K + 1)
+    assert (long.cg_mode, long.num_reqs, long.uniform_token_count) == (CUDAGraphMode.FULL, 2, LONG + 1)
 
 
 class Copying:

@@ -186,6 +186,7 @@ class ContextLookup:
             write_tail_point_masses(speculator.draft_logits, self.tail_ids, idx_mapping, tail)
         fillable = taken & (found.num_valid >= self.verify_tokens)
         landed = self.flags.swap(req_ids, fillable, num_sampled)
+        # the next batch is not scheduled yet: this one's size stands for the requests in flight
         self.next_block = self.schedule.decide(landed, running=len(req_ids))
         return torch.cat([draft_tokens, tail], dim=1)
 

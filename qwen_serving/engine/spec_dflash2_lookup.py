@@ -153,7 +153,8 @@ class ContextLookup:
                                         device=device)
             if speculator.draft_logits is not None:
                 # the rejection sampler reads the speculator's cache for every verify position: widen it (before
-                # any step); DFlash2's cache kernel writes its own columns by stride, the hook the tail's
+                # any step); DFlash2's cache kernel writes its own columns by stride, the hook the tail's. Costs
+                # verify - drafter more fp32 vocabulary rows per seat (~7.9 MB at 8 x 248,320), not in memory.py
                 wide = speculator.draft_logits.new_full((max_reqs, self.verify_tokens, speculator.vocab_size),
                                                         float("-inf"))
                 wide[:, : self.num_draft] = speculator.draft_logits

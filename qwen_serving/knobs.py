@@ -50,6 +50,7 @@ LOOKUP_PARAMS = (  # (variable, largest value, default, what it sets): the spec'
     (f"{LOOKUP_ENV}_NSTRONG", LOOKUP_MAX_NMAX + 1, 8, "a match this long is taken without the drafter agreeing"),
     (f"{LOOKUP_ENV}_AGREE", 31, 2, "a shorter match needs the drafter's first AGREE drafts to equal it"),
 )
+LOOKUP_STICKY = f"{LOOKUP_ENV}_STICKY"  # read by patches/dflash2-verify-block.patch (engine/spec_verify_block.py)
 
 
 class KnobError(ValueError):
@@ -426,9 +427,10 @@ KNOBS: tuple[Knob, ...] = (
          "KV cache: `fp8`; `int4pth` = vLLM's int4 per-token-head cache on the Triton backend; `kvarn` = the "
          "KVarN 4/2-bit cache (not built yet)", BATCH, argv=_kv_args),
     Knob("DFLASH_TOKENS", _int(7, 31), _rules(Rule(7)),
-         "DFlash2 verify block (vLLM's num_speculative_tokens); the drafter proposes 7. Filling the positions past 7 "
-         "from the context (the spec's reproduction mode at 15: +47% when answers quote the prompt, half the seats) is "
-         "not built yet (single-user/README.md, DFlash2)", SINGLE),
+         "DFlash2 verify block (vLLM's num_speculative_tokens); the drafter proposes 7. Above 7 the lookup fills the "
+         "positions past them and the long block is verified only while a copy runs, the drafter's 7 otherwise (the "
+         "spec's reproduction mode at 15: +47% when answers quote the prompt, half the seats); not run on a GPU yet",
+         SINGLE),
     Knob("DRAFT_TOKENS", _int(1, 8), _rules(
         Limit(3, {"SPEC": "mtp", "CTX": ("long", "huge")}, "spec: k=4 dies with an illegal memory access on FlashInfer",
               allowed=at_most(3), checked_when={"SPEC": "mtp", "CTX": "long"},  # FlashInfer is CTX=long's backend
@@ -472,7 +474,12 @@ KNOBS: tuple[Knob, ...] = (
         argv=lambda value, v, z: [] if z.kv_mem is None else ["--kv-cache-memory-bytes", str(z.kv_mem)]),
     Knob("DRAFT", _text, _rules(Rule(DFLASH2_DRAFTER)), "DFlash2 drafter dir (`prepare/fetch_dflash2.py`)",
          SINGLE),
-    Knob("LOOKUP", _bit, _rules(Rule(1)),
+    Knob("LOOKUP", _bit, _rules(
+        Limit(1, {"SPEC": "dflash2", "DFLASH_TOKENS": Above(7)}, "only the lookup fills the block past the drafter's 7",
+              allowed=(1,),
+              message="LOOKUP=0 with DFLASH_TOKENS={DFLASH_TOKENS}: the drafter proposes 7 and only the lookup fills "
+                      "the verify block past them; set LOOKUP=1 (or unset it) or DFLASH_TOKENS=7"),
+        Rule(1)),
          "SPEC=dflash2: each step, the continuation of the latest earlier occurrence of the request's own last "
          "tokens replaces the drafter's drafts (a match of NSTRONG tokens alone, a shorter one where the drafter agrees "
          "on its first AGREE); exact (point-mass proposals), not measured on a GPU yet", SINGLE,
@@ -480,6 +487,10 @@ KNOBS: tuple[Knob, ...] = (
     *(Knob(var, _int(1, hi), _rules(Rule(default)), f"LOOKUP: {doc}", SINGLE,
            export=Export(var, {"SPEC": "dflash2", "LOOKUP": 1}))
       for var, hi, default, doc in LOOKUP_PARAMS),
+    Knob(LOOKUP_STICKY, _int(0, 64), _rules(Rule(3)),
+         "DFLASH_TOKENS above 7: steps the long verify block is held after the copy's flags drop, with one request "
+         "in flight (the spec's 3)", SINGLE,
+         export=Export(LOOKUP_STICKY, {"SPEC": "dflash2", "LOOKUP": 1})),
     Knob("DRAFT_SAMPLE", _choice("probabilistic", "greedy"), _rules(Rule("probabilistic")),
          "MTP draft sampling; `greedy` is the same at T=0 and ~15% slower at T>0", SINGLE),
     Knob("SPEC_ATTN", _bit, _rules(Rule(1, {"CTX": "fast"}), Rule(0)),
@@ -545,6 +556,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("API_SERVERS", _int(1, 64), _rules(Rule(1)), "--api-server-count: HTTP front-end processes",
          argv=_opt("--api-server-count", unless=1)),
     Knob("ASYNC_SCHED", _bit, _rules(
+        # DFLASH_TOKENS>7: vLLM's AsyncScheduler schedules num_speculative_tokens placeholder drafts before a step's
+        # drafts exist, so the block the long-block schedule picks per step would never reach it
+        # (engine/spec_verify_block.py); the sync scheduler schedules the width the runner hands back
         Limit(0, {"SPEC": "dflash2"}, "the verify-block length feeds back to the scheduler on the sync path only",
               allowed=(0,),
               message="ASYNC_SCHED=1 with SPEC=dflash2: the verify-block length reaches the scheduler only "
@@ -614,7 +628,7 @@ RENDER_ORDER = ("MODEL", "HOST", "PORT", "TP", "MAX_SEQS", "MAX_LEN", "STATE_DTY
                 "VISION_OFFLOAD", "VISION_OFFLOAD_GIB",
                 "REQ_METRICS", "API_SERVERS", "GDN_PREFILL", "EXTRA_ARGS",
                 "INT8_ACT", "INT8_LAYERS", "SPEC_ATTN", "MTP_DRAFT_VOCAB", "PREFILL_ATTN", "LOOKUP",
-                *(var for var, *_ in LOOKUP_PARAMS))
+                *(var for var, *_ in LOOKUP_PARAMS), LOOKUP_STICKY)
 
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 SECRET_ENV = "VLLM_API_KEY"
@@ -678,6 +692,7 @@ class Values:
     vllm_dflash2_lookup_nmax: int
     vllm_dflash2_lookup_nstrong: int
     vllm_dflash2_lookup_agree: int
+    vllm_dflash2_lookup_sticky: int
     draft_sample: str
     spec_attn: int
     mtp_draft_vocab: int

@@ -19,7 +19,7 @@ SET_VALUES = {"VLLM_SMALL_TOPK_SAMPLER": "0", "VLLM_SPEC_DECODE_ATTN": "1", "VLL
               "VLLM_MARLIN_INT8_INCLUDE_RE": "mlp|self_attn", "VLLM_MTP_DRAFT_VOCAB": "0",
               "VLLM_V2_CUDAGRAPH_MEM_MIB": "1200", "VLLM_DFLASH2_LOOKUP": "1", "VLLM_DFLASH2_LOOKUP_NMIN": "4",
               "VLLM_DFLASH2_LOOKUP_NMAX": "16", "VLLM_DFLASH2_LOOKUP_NSTRONG": "10", "VLLM_DFLASH2_LOOKUP_AGREE": "3",
-              "VLLM_VISION_OFFLOAD": "1", "VLLM_VISION_OFFLOAD_GIB": "0.5"}
+              "VLLM_DFLASH2_LOOKUP_STICKY": "0", "VLLM_VISION_OFFLOAD": "1", "VLLM_VISION_OFFLOAD_GIB": "0.5"}
 ENVS_READ = re.compile(r"\benvs\.(VLLM_[A-Z0-9_]+)")
 DIRECT_READ = re.compile(r"""(?:os\.getenv\(|os\.environ\.get\(|os\.environ\[)\s*["'](VLLM_[A-Z0-9_]+)""")
 

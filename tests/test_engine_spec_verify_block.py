@@ -1,11 +1,17 @@
-"""engine/spec_verify_block.py: when DFlash2 verifies the long block (entry, hold, exit, batch > 1) and that every
-decision reads the flags one step stale."""
+"""engine/spec_verify_block.py: when DFlash2 verifies the long block (entry, hold, exit, batch > 1), that every
+decision reads the flags one step stale (the schedule, and the host copy the hook lands them through), and what the
+patch asks of vLLM's config (the drafter's view, the decode query lengths captured)."""
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
-from qwen_serving.engine.spec_verify_block import RequestFlags, VerifyBlockSchedule
+import pytest
+import torch
+
+from qwen_serving.engine import spec_verify_block as svb
+from qwen_serving.engine.spec_verify_block import RequestFlags, StaleFlags, VerifyBlockSchedule
+from tests.helpers.event_log import Events
 
 SHORT, LONG = 7, 15
 FULL = RequestFlags(fillable_tail=True, emitted=SHORT + 1)  # a copying step: full short block, tail fillable
@@ -82,3 +88,63 @@ def test_short_block_setting_never_goes_long_and_bad_settings_raise():
         VerifyBlockSchedule(5)
     with pytest.raises(ValueError, match="sticky"):
         VerifyBlockSchedule(LONG, sticky=-1)
+
+
+# ---------------------------------------------------------------- the host copy the hook lands the flags through
+
+
+def test_the_flags_land_one_call_late_waiting_only_on_the_previous_copy():
+    events = Events()
+    flags = StaleFlags(4, torch.device("cpu"), new_event=events)
+    assert flags.swap(["a", "b"], torch.tensor([True, False]), torch.tensor([8, 3])) is None
+    assert events.log == [("record", 1)]
+    # the second call returns the first call's flags, though its own (the buffer's next content) differ
+    got = flags.swap(["a"], torch.tensor([False]), torch.tensor([2]))
+    assert got == {"a": RequestFlags(True, 8), "b": RequestFlags(False, 3)}
+    assert events.log == [("record", 1), ("wait", 1), ("record", 2)]  # the old copy waited on, then the new one
+    assert flags.swap([], torch.tensor([], dtype=torch.bool), torch.tensor([], dtype=torch.int64)) == {
+        "a": RequestFlags(False, 2)}  # request "b" finished: absent
+    assert events.log[-2:] == [("wait", 2), ("record", 3)]
+
+
+def test_the_schedule_fed_through_the_host_copy_equals_the_host_model():
+    """decide(StaleFlags.swap(...)) is what step(...) models: the same blocks for the same flags."""
+    steps = [{"a": FULL}] * 3 + [{"a": PROSE}] * 5 + [{"a": FULL, "b": PROSE}] * 3 + [{"a": PROSE, "b": PROSE}] * 2
+    modelled = _run(VerifyBlockSchedule(LONG), steps)
+    schedule, copy = VerifyBlockSchedule(LONG), StaleFlags(4, torch.device("cpu"))
+    wired = []
+    for flags in steps:
+        ids = list(flags)
+        landed = copy.swap(ids, torch.tensor([flags[r].fillable_tail for r in ids]),
+                           torch.tensor([flags[r].emitted for r in ids]))
+        wired.append(schedule.decide(landed, len(ids)))
+    assert wired == modelled and LONG in wired and wired[-1] == SHORT
+
+
+# ---------------------------------------------------------------- what the patch asks of vLLM's config
+
+
+def _config(k: int, architectures=("DFlash2DraftModel",), block_size: int | None = 8):
+    dflash = {"block_size": block_size} if block_size else {}
+    draft = SimpleNamespace(architectures=list(architectures), hf_config=SimpleNamespace(dflash_config=dflash))
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k, draft_model_config=draft),
+                           scheduler_config=object())
+
+
+def test_the_drafter_keeps_its_block_and_both_query_lengths_are_captured():
+    config = _config(15)
+    view = svb.drafter_config(config)
+    assert view.speculative_config.num_speculative_tokens == 7  # the checkpoint's block_size 8 minus the anchor
+    assert config.speculative_config.num_speculative_tokens == 15  # the runner's own config untouched
+    assert view.scheduler_config is config.scheduler_config  # a shallow view: the rest is the runner's
+    assert svb.decode_query_lens(config, 16) == [8, 16]
+    assert svb.decode_query_lens(view, 8) == [8]  # the speculator's own graphs: its one query block
+    # the drafter's block, where the checkpoint names none, is DFlash2's 7
+    assert svb.long_block(_config(15, block_size=None)) == (7, 15)
+
+
+@pytest.mark.parametrize("config", [_config(7), _config(15, architectures=("DFlashDraftModel",)),
+                                    SimpleNamespace(speculative_config=None)])
+def test_no_long_block_leaves_vllm_as_it_is(config):
+    assert svb.drafter_config(config) is config
+    assert svb.decode_query_lens(config, 8) == [8]

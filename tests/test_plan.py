@@ -118,9 +118,18 @@ def test_defaults_by_mode(probe):
     d = plan.build("single", {"SPEC": "dflash2"}, probe)
     assert d.kv_mem == knobs.KV_MEM_PINNED and "--no-async-scheduling" in d.argv
     lookup = {var: str(default) for var, _, default, _ in knobs.LOOKUP_PARAMS}  # read by dflash2-lookup.patch
+    lookup[knobs.LOOKUP_STICKY] = "3"  # read by dflash2-verify-block.patch
     assert d.env == {"VLLM_SPEC_DECODE_ATTN": "1", "VLLM_DFLASH2_LOOKUP": "1", **lookup}
     assert plan.build("single", {"SPEC": "dflash2", "LOOKUP": "0"}, probe).env == {
         "VLLM_SPEC_DECODE_ATTN": "1", "VLLM_DFLASH2_LOOKUP": "0"}
+    # the long verify block: the drafter's 7 plus the lookup's tail, async scheduling off, seats and context as the
+    # memory model says; the hold reaches the patch
+    long = plan.build("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15"}, probe)
+    spec = json.loads(long.argv[long.argv.index("--speculative-config") + 1])
+    assert spec["num_speculative_tokens"] == 15 and "--no-async-scheduling" in long.argv
+    assert long.env == d.env and long.value("MAX_SEQS") == 4 and long.value("MAX_LEN") == 57_344
+    assert plan.build("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15", knobs.LOOKUP_STICKY: "0"},
+                      probe).env[knobs.LOOKUP_STICKY] == "0"
 
 
 def test_every_automatic_adjustment_is_printed(probe):
@@ -254,6 +263,7 @@ def test_rules_written_once_give_the_default_and_the_refusal(probe):
         ("single", {"CTX": "long"}, "DRAFT_TOKENS", "4", True),
         ("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15"}, "MAX_SEQS", "5", True),
         ("single", {"SPEC": "dflash2"}, "ASYNC_SCHED", "1", True),
+        ("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15"}, "LOOKUP", "0", True),
         ("single", {"CTX": "huge"}, "CUDAGRAPH_MODE", "FULL", False),
         ("batch", {"INT8_LAYERS": "."}, "GPU_UTIL", "0.97", False),
     ]

@@ -36,6 +36,17 @@ def count(raw: str) -> int:
     return value
 
 
+def whole(raw: str) -> int:
+    """A whole number >= 0 (a count of steps that may be none)."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("not an integer") from None
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
 def gib(raw: str) -> float:
     """A size in GiB, above 0 (0.125 is 128 MiB)."""
     try:
@@ -102,6 +113,9 @@ DECLARED = (
            "dflash2-lookup.patch: a match this long replaces the drafter's tokens on its own"),
     EnvVar("VLLM_DFLASH2_LOOKUP_AGREE", "2", count, "int",
            "dflash2-lookup.patch: a shorter match is taken only where the drafter's first AGREE tokens equal it"),
+    EnvVar("VLLM_DFLASH2_LOOKUP_STICKY", "3", whole, "int",
+           "dflash2-verify-block.patch: steps the long verify block is held after its flags drop, with one "
+           "request in flight (engine.spec_verify_block)"),
     EnvVar("VLLM_VISION_OFFLOAD", "0", flag, "bool",
            "vision-offload.patch: the vision tower's weights in host RAM, each module copied to the GPU for its "
            "own forward (engine.vision_offload); 0 keeps the tower on the GPU"),

@@ -29,26 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from qwen_serving.checkpoint.dflash2_format import ARCHITECTURE, is_dflash2_drafter
 from qwen_serving.checkpoint.model_dir import CheckpointError
 from qwen_serving.checkpoint.scripted_reference import _rope
-
-ARCHITECTURE = "DFlash2DraftModel"
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-def is_dflash2_drafter(model_dir: str | Path) -> bool:
-    path = Path(model_dir) / "config.json"
-    return path.is_file() and ARCHITECTURE in (json.loads(path.read_text()).get("architectures") or [])
-
-
-def quantizable_modules(config: dict) -> list[str]:
-    """The drafter's matrices vLLM builds with the drafter's quant config: fc and 7 per layer (36 at 5 layers)."""
-    layers = int(config["num_hidden_layers"])
-    names = ["fc"]
-    for i in range(layers):
-        names += [f"layers.{i}.self_attn.{p}" for p in ATTENTION] + [f"layers.{i}.mlp.{p}" for p in MLP]
-    return sorted(names)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

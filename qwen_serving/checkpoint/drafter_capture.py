@@ -294,7 +294,8 @@ def capture_dflash2(target_dir: str | Path, drafter_dir: str | Path, out: str | 
                     held_out_every: int = 5, held_out_cap: int = 2048, save_every: int = 1, anchor_every: int = 4,
                     device: str = "cpu") -> Stats:
     """Run (or resume) the DFlash2 drafter's capture over the target's hidden states; statistics also at `out`."""
-    from qwen_serving.checkpoint.dflash2_reference import Dflash2Forward, is_dflash2_drafter, quantizable_modules
+    from qwen_serving.checkpoint.dflash2_format import is_dflash2_drafter, quantizable_modules
+    from qwen_serving.checkpoint.dflash2_reference import Dflash2Forward
     from qwen_serving.checkpoint.scripted_reference import Reference
 
     target_dir, drafter_dir, out = Path(target_dir), Path(drafter_dir), Path(out)

@@ -17,6 +17,10 @@ The fast variant is written as `hub.build_fast_variant` composes the fetched one
 directory beside the base: unchanged shards hard-linked, the new modules' tensors in a new shard,
 the quantization_config extended, prepared.json's `fast_variant` step), so the launcher's
 MODEL=auto and prepare_status treat it as they treat the fetched variant.
+
+The DFlash2 drafter (`build_dflash2`): the same GPTQ on its captured matrices, written as a new drafter
+directory in the layout vLLM 0.28.0 loads (dflash2_format.py: q/k/v bf16 unless asked), step
+`dflash2_w4a16` in its prepared.json.
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 
     python -m qwen_serving.checkpoint.prepare_status models/Qwen3.8-27B-W4A16-AutoRound [--deep] [--strict]
 
+A DFlash2 drafter directory (SPEC=dflash2's DRAFT) gets the drafter's checks instead: complete shards,
+its W4A16 layout against its quantization_config, the dflash2_w4a16 step, and int4 q/k/v (which vLLM
+0.28.0 cannot load) as a FAIL.
+
 Each prepare step is judged from the tensors themselves (dtype and packing) and cross-checked
 with prepared.json: a step the manifest records but the tensors contradict is a FAIL, a step not
 done yet is a WARN (the model still serves, with more memory) unless --strict. --deep re-hashes
@@ -105,13 +109,13 @@ def _drafter_status(report: Report, path: Path, deep: bool) -> int:
     size = sum((path / s).stat().st_size for s in shards)
     report.line("PASS", f"drafter: {path} DFlash2, {len(shards)} shard(s) complete, {len(model.weight_map)} tensors, "
                 f"{size / 1e9:.2f} GB")
-    problems = steps.quant_problems(model) + dflash2_format.layout_problems(model)[0]
+    layout, int4 = dflash2_format.layout_problems(model)
+    problems = steps.quant_problems(model) + layout
     if problems:
         report.line("FAIL", f"drafter: quantization_config does not match the tensors: {problems[0]}")
     else:
         report.line("PASS", "drafter: quantization_config matches every linear (int4 ones and bf16 ones)")
     total = len(dflash2_format.quantizable_modules(model.config))
-    int4 = dflash2_format.layout_problems(model)[1]
     check_step(report, model, dflash2_format.STEP, "DFlash2 drafter", f"{int4} of {total} linears int4 (W4A16 g128)",
                int4 > 0, "drafter/capture.py MODEL_DIR --dflash2 DRAFTER_DIR, then drafter/quantize.py --dflash2")
     if dflash2_format.qkv_int4(model):

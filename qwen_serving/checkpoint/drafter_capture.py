@@ -213,12 +213,14 @@ def _open_state(out: Path, meta: dict, modules, held_out_cap: int) -> Stats:
     return stats
 
 
-def _run(stats: Stats, token_lists: list[list[int]], observe, out: Path, held_out_every: int, save_every: int,
+def _run(stats: Stats, token_lists: list[list[int]], make_observe, out: Path, held_out_every: int, save_every: int,
          source: Path) -> Stats:
-    """observe(ids, stats, held_out) over the prompts not done yet, saving the state as it goes."""
+    """observe(ids, stats, held_out) over the prompts not done yet, saving the state as it goes;
+    make_observe() builds it (loads the models) only when a prompt is left."""
     if stats.meta["done"] >= len(token_lists):
         say(f"capture: {out} is complete ({stats.meta['done']} prompts); nothing to do")
         return stats
+    observe = make_observe()
     from tqdm import tqdm
 
     start = time.monotonic()
@@ -256,11 +258,12 @@ def capture(model_dir: str | Path, out: str | Path, *, prompts: str | Path | Non
             "held_out_every": held_out_every, "done": 0}
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
     stats = _open_state(out, meta, lambda: fast_variant_modules(index), held_out_cap)
-    if stats.meta["done"] >= len(token_lists):
-        return _run(stats, token_lists, None, out, held_out_every, save_every, model_dir)
-    ref = Reference(model_dir, device)
-    return _run(stats, token_lists, lambda ids, st, held: observe_prompt(ref, ids, st, held), out, held_out_every,
-                save_every, model_dir)
+
+    def make_observe():
+        ref = Reference(model_dir, device)
+        return lambda ids, st, held: observe_prompt(ref, ids, st, held)
+
+    return _run(stats, token_lists, make_observe, out, held_out_every, save_every, model_dir)
 
 
 # ---------------------------------------------------------------- the DFlash2 drafter
@@ -313,9 +316,9 @@ def capture_dflash2(target_dir: str | Path, drafter_dir: str | Path, out: str | 
     stats = _open_state(out, meta, lambda: quantizable_modules(config), held_out_cap)
     if stats.meta.get("target_digest") != meta["target_digest"] or stats.meta.get("anchor_every") != anchor_every:
         raise CheckpointError(f"{out} was captured over another target or --anchor-every: move it away or pass another --out")
-    if stats.meta["done"] >= len(token_lists):
-        return _run(stats, token_lists, None, out, held_out_every, save_every, drafter_dir)
-    target, drafter = Reference(target_dir, device), Dflash2Forward(drafter_dir, device)
-    return _run(stats, token_lists,
-                lambda ids, st, held: observe_dflash2_prompt(target, drafter, ids, st, held, anchor_every),
-                out, held_out_every, save_every, drafter_dir)
+
+    def make_observe():
+        target, drafter = Reference(target_dir, device), Dflash2Forward(drafter_dir, device)
+        return lambda ids, st, held: observe_dflash2_prompt(target, drafter, ids, st, held, anchor_every)
+
+    return _run(stats, token_lists, make_observe, out, held_out_every, save_every, drafter_dir)

@@ -1,7 +1,12 @@
-"""Capture the fast variant's calibration statistics: the lm_head's and the MTP linears' inputs on a prompt set.
+"""Capture a drafter's calibration statistics: the inputs of its own linears on a prompt set.
 
     python drafter/capture.py MODEL_DIR [--out MODEL_DIR.drafter-capture.safetensors] [--prompts FILE]
         [--max-prompts N] [--max-tokens 256] [--held-out-every 5] [--save-every 1] [--device cpu]
+    python drafter/capture.py MODEL_DIR --dflash2 DRAFTER_DIR [--anchor-every 4] [--out DRAFTER_DIR.drafter-capture.safetensors] ...
+
+Without --dflash2: the fast variant's matrices (the lm_head and the MTP module's linears). With it:
+the bf16 DFlash2 drafter's 36 matrices (fc and each layer's q/k/v/o, gate/up/down, the k/v rows of its
+context-KV precompute included), run over MODEL_DIR's (the target's) hidden states.
 
 Runs the checkpoint's forward (float32; qwen_serving.checkpoint.scripted_reference) over the prompts
 (default: prepare/calibration_prompts.json through the checkpoint's chat template; or a JSONL of
@@ -31,12 +36,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--held-out-rows", type=int, default=2048, help="raw held-out rows kept per linear")
     parser.add_argument("--save-every", type=int, default=1, help="prompts between saves of the state")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dflash2", metavar="DRAFTER_DIR", help="capture this bf16 DFlash2 drafter over MODEL_DIR")
+    parser.add_argument("--anchor-every", type=int, default=4,
+                        help="--dflash2: one query block per this many prompt tokens")
     args = parser.parse_args(argv)
-    out = Path(args.out) if args.out else Path(args.model_dir.rstrip("/") + ".drafter-capture.safetensors")
+    owner = args.dflash2 or args.model_dir
+    out = Path(args.out) if args.out else Path(owner.rstrip("/") + ".drafter-capture.safetensors")
+    common = dict(prompts=args.prompts, max_prompts=args.max_prompts, max_tokens=args.max_tokens,
+                  held_out_every=args.held_out_every, held_out_cap=args.held_out_rows, save_every=args.save_every,
+                  device=args.device)
     try:
-        drafter_capture.capture(args.model_dir, out, prompts=args.prompts, max_prompts=args.max_prompts,
-                                max_tokens=args.max_tokens, held_out_every=args.held_out_every,
-                                held_out_cap=args.held_out_rows, save_every=args.save_every, device=args.device)
+        if args.dflash2:
+            drafter_capture.capture_dflash2(args.model_dir, args.dflash2, out, anchor_every=args.anchor_every, **common)
+        else:
+            drafter_capture.capture(args.model_dir, out, **common)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"capture: error: {e}", file=sys.stderr)
         return 2

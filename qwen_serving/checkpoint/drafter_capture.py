@@ -9,6 +9,14 @@ feeds it). For each linear the capture keeps sum(x^T x) in float64 and the row c
 needs), except on held-out prompts (every `held_out_every`-th), whose rows are kept raw, up to a
 cap, for the error table and never enter the Hessian.
 
+The DFlash2 drafter (`capture_dflash2`): the target's forward gives its residual stream after each of
+the drafter's `target_layer_ids`; `dflash2_reference.Dflash2Forward` runs the drafter over it as vLLM
+does, observing its 36 matrices: `fc` over every token's target states, each layer's k_proj / v_proj
+over every token's normed context row (the context-KV precompute) and over the query blocks, and q/k/v,
+o, gate/up, down over one block [token p, mask x 7] per anchor position p (every `anchor_every`-th
+token; serving runs one block per step, ~3 tokens apart at the spec's acceptance) attending to the
+context before p. Same statistics, held-out rule, file and resume as the fast variant's.
+
 The state is written after every `save_every` prompts into a temp file beside the output and
 renamed over it (never half a file); a re-run resumes after the last saved prompt, and refuses a
 state made from another checkpoint or another prompt set.
@@ -86,10 +94,16 @@ def prompt_set_digest(prompts: list[list[int]], held_out_every: int) -> str:
 
 
 def model_digest(model_dir: Path) -> str:
-    """The checkpoint's identity: its index and config (a capture belongs to one set of weights)."""
-    h = hashlib.sha256()
-    for name in ("model.safetensors.index.json", "config.json"):
-        h.update((model_dir / name).read_bytes())
+    """The checkpoint's identity: its config and index, or a single-file checkpoint's safetensors header
+    (names, shapes, offsets: a capture belongs to one set of weights)."""
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        h.update(index.read_bytes())
+    else:
+        with open(model_dir / "model.safetensors", "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            h.update(f.read(size))
     return h.hexdigest()[:16]
 
 
@@ -182,50 +196,129 @@ def observe_prompt(ref, ids: list[int], stats: Stats, held_out: bool) -> None:
         stats.add("lm_head", mtp_out, held_out)
 
 
-def capture(model_dir: str | Path, out: str | Path, *, prompts: str | Path | None = None, max_prompts: int = 0,
-            max_tokens: int = 256, held_out_every: int = 5, held_out_cap: int = 2048, save_every: int = 1,
-            device: str = "cpu") -> Stats:
-    """Run (or resume) a capture; returns the finished statistics (also at `out`)."""
-    from qwen_serving.checkpoint.scripted_reference import Reference
+def _open_state(out: Path, meta: dict, modules, held_out_cap: int) -> Stats:
+    """The saved state at `out` when it belongs to this capture (resumed), else a new one over modules()."""
+    if not out.exists():
+        found = modules()
+        if not found:
+            raise CheckpointError(f"{meta['model']}: no drafter linears to capture")
+        return Stats(found, held_out_cap, meta=meta)
+    stats = Stats.load(out)
+    for key in ("model_digest", "prompt_set"):
+        if stats.meta.get(key) != meta[key]:
+            raise CheckpointError(f"{out} was captured from another {'checkpoint' if key == 'model_digest' else 'prompt set'}"
+                                  f" ({key} {stats.meta.get(key)} != {meta[key]}): move it away or pass another --out")
+    if stats.meta["done"] < meta["prompts"]:
+        say(f"capture: resuming {out} after prompt {stats.meta['done']} of {meta['prompts']}")
+    return stats
 
-    model_dir, out = Path(model_dir), Path(out)
-    if not (model_dir / "config.json").is_file():
-        raise CheckpointError(f"model directory not found: {model_dir}")
-    items = load_prompt_items(prompts)
-    if max_prompts:
-        items = items[:max_prompts]
-    token_lists = tokenize(model_dir, items, max_tokens)
-    meta = {"model": str(model_dir.resolve()), "model_digest": model_digest(model_dir),
-            "prompt_set": prompt_set_digest(token_lists, held_out_every), "prompts": len(token_lists),
-            "held_out_every": held_out_every, "done": 0}
-    if out.exists():
-        stats = Stats.load(out)
-        for key in ("model_digest", "prompt_set"):
-            if stats.meta.get(key) != meta[key]:
-                raise CheckpointError(f"{out} was captured from another {'checkpoint' if key == 'model_digest' else 'prompt set'}"
-                                      f" ({key} {stats.meta.get(key)} != {meta[key]}): move it away or pass another --out")
-        if stats.meta["done"] >= len(token_lists):
-            say(f"capture: {out} is complete ({stats.meta['done']} prompts); nothing to do")
-            return stats
-        say(f"capture: resuming {out} after prompt {stats.meta['done']} of {len(token_lists)}")
-    else:
-        index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
-        modules = fast_variant_modules(index)
-        if not modules:
-            raise CheckpointError(f"{model_dir}: no lm_head or MTP linears to capture")
-        stats = Stats(modules, held_out_cap, meta=meta)
-    ref = Reference(model_dir, device)
+
+def _run(stats: Stats, token_lists: list[list[int]], make_observe, out: Path, held_out_every: int, save_every: int,
+         source: Path) -> Stats:
+    """observe(ids, stats, held_out) over the prompts not done yet, saving the state as it goes;
+    make_observe() builds it (loads the models) only when a prompt is left."""
+    if stats.meta["done"] >= len(token_lists):
+        say(f"capture: {out} is complete ({stats.meta['done']} prompts); nothing to do")
+        return stats
+    observe = make_observe()
     from tqdm import tqdm
 
     start = time.monotonic()
     say(f"capture: {len(stats.modules)} linears over {len(token_lists)} prompts "
-        f"(every {held_out_every}th held out) from {model_dir}")
+        f"(every {held_out_every}th held out) from {source}")
     for n in tqdm(range(stats.meta["done"], len(token_lists)), desc="capture", unit="prompt",
                   initial=stats.meta["done"], total=len(token_lists)):
-        observe_prompt(ref, token_lists[n], stats, is_held_out(n, held_out_every))
+        observe(token_lists[n], stats, is_held_out(n, held_out_every))
         stats.meta["done"] = n + 1
         if (n + 1) % save_every == 0 or n + 1 == len(token_lists):
             stats.save(out)
-    rows = ", ".join(f"{m} {stats.rows.get(m, 0)}" for m in ("lm_head", "mtp.fc") if m in stats.modules)
-    say(f"capture: done in {time.monotonic() - start:.1f} s; calibration rows: {rows} -> {out}")
+    first = stats.modules[0]
+    say(f"capture: done in {time.monotonic() - start:.1f} s; calibration rows of {first}: "
+        f"{stats.rows.get(first, 0)} -> {out}")
     return stats
+
+
+def _prompt_tokens(model_dir: Path, prompts, max_prompts: int, max_tokens: int) -> list[list[int]]:
+    if not (model_dir / "config.json").is_file():
+        raise CheckpointError(f"model directory not found: {model_dir}")
+    items = load_prompt_items(prompts)
+    return tokenize(model_dir, items[:max_prompts] if max_prompts else items, max_tokens)
+
+
+def capture(model_dir: str | Path, out: str | Path, *, prompts: str | Path | None = None, max_prompts: int = 0,
+            max_tokens: int = 256, held_out_every: int = 5, held_out_cap: int = 2048, save_every: int = 1,
+            device: str = "cpu") -> Stats:
+    """Run (or resume) the fast variant's capture; returns the finished statistics (also at `out`)."""
+    from qwen_serving.checkpoint.scripted_reference import Reference
+
+    model_dir, out = Path(model_dir), Path(out)
+    token_lists = _prompt_tokens(model_dir, prompts, max_prompts, max_tokens)
+    meta = {"model": str(model_dir.resolve()), "model_digest": model_digest(model_dir),
+            "prompt_set": prompt_set_digest(token_lists, held_out_every), "prompts": len(token_lists),
+            "held_out_every": held_out_every, "done": 0}
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    stats = _open_state(out, meta, lambda: fast_variant_modules(index), held_out_cap)
+
+    def make_observe():
+        ref = Reference(model_dir, device)
+        return lambda ids, st, held: observe_prompt(ref, ids, st, held)
+
+    return _run(stats, token_lists, make_observe, out, held_out_every, save_every, model_dir)
+
+
+# ---------------------------------------------------------------- the DFlash2 drafter
+
+
+def dflash2_anchors(length: int, every: int) -> list[int]:
+    """Anchor positions of one prompt: every `every`-th token from 1 (each needs context before it)."""
+    return list(range(1, length, every))
+
+
+def observe_dflash2_prompt(target, drafter, ids: list[int], stats: Stats, held_out: bool, anchor_every: int) -> None:
+    """One prompt through the target, then the drafter as vLLM runs it: the context K/V of every token
+    (fc, then k_proj / v_proj of the normed context rows: the precompute's inputs), and one query block
+    [ids[p], mask x 7] per anchor position p over the context before p (q/k/v ... down_proj)."""
+    wanted = set(stats.modules)
+    with torch.no_grad():
+        states = target.layer_states(ids, max(drafter.target_layer_ids) + 1)  # unobserved: the target's own
+        aux = torch.cat([states["layers"][t]["stream"] for t in drafter.target_layer_ids], dim=-1)
+        anchors = dflash2_anchors(len(ids), anchor_every)
+        try:
+            drafter.observe = lambda module, x: stats.add(module, x, held_out) if module in wanted else None
+            context = drafter.context_kv(drafter.context_states(aux), torch.arange(len(ids), device=aux.device))
+            drafter.blocks(drafter.block_inputs(target.embed, ids, anchors),
+                           torch.tensor(anchors, device=aux.device), context)
+        finally:
+            drafter.observe = None
+
+
+def capture_dflash2(target_dir: str | Path, drafter_dir: str | Path, out: str | Path, *,
+                    prompts: str | Path | None = None, max_prompts: int = 0, max_tokens: int = 256,
+                    held_out_every: int = 5, held_out_cap: int = 2048, save_every: int = 1, anchor_every: int = 4,
+                    device: str = "cpu") -> Stats:
+    """Run (or resume) the DFlash2 drafter's capture over the target's hidden states; statistics also at `out`."""
+    from qwen_serving.checkpoint.dflash2_format import is_dflash2_drafter, quantizable_modules
+    from qwen_serving.checkpoint.dflash2_reference import Dflash2Forward
+    from qwen_serving.checkpoint.scripted_reference import Reference
+
+    target_dir, drafter_dir, out = Path(target_dir), Path(drafter_dir), Path(out)
+    if not is_dflash2_drafter(drafter_dir):
+        raise CheckpointError(f"{drafter_dir}: not a DFlash2 drafter directory (config.json with architectures "
+                              f"[\"DFlash2DraftModel\"]); pass the bf16 drafter with --dflash2")
+    if anchor_every < 1:
+        raise ValueError("--anchor-every must be >= 1")
+    token_lists = _prompt_tokens(target_dir, prompts, max_prompts, max_tokens)
+    config = json.loads((drafter_dir / "config.json").read_text())
+    meta = {"model": str(drafter_dir.resolve()), "model_digest": model_digest(drafter_dir),
+            "target": str(target_dir.resolve()), "target_digest": model_digest(target_dir),
+            "prompt_set": prompt_set_digest(token_lists, held_out_every), "prompts": len(token_lists),
+            "held_out_every": held_out_every, "anchor_every": anchor_every, "done": 0}
+    stats = _open_state(out, meta, lambda: quantizable_modules(config), held_out_cap)
+    if stats.meta.get("target_digest") != meta["target_digest"] or stats.meta.get("anchor_every") != anchor_every:
+        raise CheckpointError(f"{out} was captured over another target or --anchor-every: move it away or pass another --out")
+
+    def make_observe():
+        target, drafter = Reference(target_dir, device), Dflash2Forward(drafter_dir, device)
+        return lambda ids, st, held: observe_dflash2_prompt(target, drafter, ids, st, held, anchor_every)
+
+    return _run(stats, token_lists, make_observe, out, held_out_every, save_every, drafter_dir)

@@ -17,6 +17,10 @@ The fast variant is written as `hub.build_fast_variant` composes the fetched one
 directory beside the base: unchanged shards hard-linked, the new modules' tensors in a new shard,
 the quantization_config extended, prepared.json's `fast_variant` step), so the launcher's
 MODEL=auto and prepare_status treat it as they treat the fetched variant.
+
+The DFlash2 drafter (`build_dflash2`): the same GPTQ on its captured matrices, written as a new drafter
+directory in the layout vLLM 0.28.0 loads (dflash2_format.py: q/k/v bf16 unless asked), step
+`dflash2_w4a16` in its prepared.json.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from qwen_serving.checkpoint import hub, int4, steps, transaction
+from qwen_serving.checkpoint import dflash2_format, hub, int4, steps, transaction
 from qwen_serving.checkpoint.console import say
 from qwen_serving.checkpoint.drafter_capture import Stats, model_digest
 from qwen_serving.checkpoint.model_dir import CheckpointError, ModelDir
@@ -191,15 +195,31 @@ def gptq_beats_rtn(rows: list[dict]) -> list[str]:
 # ---------------------------------------------------------------- the variant
 
 
-def quantize_all(base: ModelDir, stats: Stats, method: str) -> tuple[dict[str, tuple], list[dict]]:
-    """module -> (codes, scales), and the error table, for every captured module."""
-    from qwen_serving.checkpoint.scripted_reference import Weights
+def _finished_capture(stats_path: str | Path, model_dir: Path) -> Stats:
+    stats = Stats.load(Path(stats_path))
+    if stats.meta.get("done", 0) < stats.meta.get("prompts", 0):
+        raise CheckpointError(f"{stats_path} is a partial capture ({stats.meta['done']} of "
+                              f"{stats.meta['prompts']} prompts): run drafter/capture.py again to finish it")
+    if stats.meta.get("model_digest") != model_digest(model_dir):
+        raise CheckpointError(f"{stats_path} was captured from another checkpoint ({stats.meta.get('model')})")
+    return stats
 
-    weights = Weights(base.path)
+
+def _report(table: list[dict], method: str) -> str:
+    if method == "gptq":
+        losing = gptq_beats_rtn(table)
+        if losing:
+            say(f"quantize: warning: GPTQ is not below round-to-nearest on {', '.join(losing)}")
+    return table_markdown(table)
+
+
+def quantize_all(weight_of, stats: Stats, method: str, modules: list[str] | None = None) -> tuple[dict[str, tuple], list[dict]]:
+    """module -> (codes, scales), and the error table, for `modules` (default: every captured module);
+    weight_of(module) gives the source matrix, float [out, in]."""
     results, table = {}, []
-    for module in stats.modules:
+    for module in stats.modules if modules is None else modules:
         start = time.monotonic()
-        weight = weights.linear(module)
+        weight = weight_of(module)
         if weight.shape[1] % int4.GROUP_SIZE or weight.shape[0] % 64:
             raise CheckpointError(f"{module} {tuple(weight.shape)}: Marlin needs out % 64 and in % 128")
         if method == "gptq":
@@ -239,19 +259,14 @@ def build_variant(base_dir: str | Path, stats_path: str | Path, out_dir: str | P
                 say(f"quantize: {line}")
             if out_dir.exists():
                 raise CheckpointError(f"{out_dir} exists; move it away to build the variant again")
-            stats = Stats.load(Path(stats_path))
-            if stats.meta.get("done", 0) < stats.meta.get("prompts", 0):
-                raise CheckpointError(f"{stats_path} is a partial capture ({stats.meta['done']} of "
-                                      f"{stats.meta['prompts']} prompts): run drafter/capture.py again to finish it")
+            if dflash2_format.is_dflash2_drafter(base_dir):
+                raise CheckpointError(f"{base_dir} is a DFlash2 drafter: pass --dflash2 to quantize it")
+            stats = _finished_capture(stats_path, base_dir)
             base = ModelDir.open(base_dir)
-            if stats.meta.get("model_digest") != model_digest(base_dir):
-                raise CheckpointError(f"{stats_path} was captured from another checkpoint ({stats.meta.get('model')})")
-            results, table = quantize_all(base, stats, method)
-            if method == "gptq":
-                losing = gptq_beats_rtn(table)
-                if losing:
-                    say(f"quantize: warning: GPTQ is not below round-to-nearest on {', '.join(losing)}")
-            markdown = table_markdown(table)  # before anything is written
+            from qwen_serving.checkpoint.scripted_reference import Weights
+
+            results, table = quantize_all(Weights(base.path).linear, stats, method)
+            markdown = _report(table, method)  # before anything is written
             folder = out_dir.parent / f".{out_dir.name}.drafter-tensors-{os.getpid()}"
             folder.mkdir()
             try:
@@ -274,3 +289,81 @@ def build_variant(base_dir: str | Path, stats_path: str | Path, out_dir: str | P
         print(f"quantize: error: {e}", file=sys.stderr, flush=True)
         return 2
 
+
+
+# ---------------------------------------------------------------- the DFlash2 drafter
+
+
+def build_dflash2(drafter_dir: str | Path, stats_path: str | Path, out_dir: str | Path, method: str = "gptq",
+                  table_path: str | Path | None = None, int4_qkv: bool = False) -> int:
+    """Quantize the bf16 DFlash2 drafter's captured matrices to W4A16 g128 and write `out_dir`; an exit status.
+
+    Every matrix vLLM builds with the drafter's quant config (fc, o_proj, gate/up, down_proj of each layer)
+    becomes int4; q/k/v stay bf16 unless `int4_qkv` (the 36-matrix layout vLLM 0.28.0 cannot load:
+    dflash2_format's docstring). Norms, conv kernels, the candidate selector stay as they are."""
+    drafter_dir, out_dir = Path(drafter_dir).resolve(), Path(out_dir).resolve()
+    if method not in METHODS:
+        raise ValueError(f"method {method!r}: one of {', '.join(METHODS)}")
+    try:
+        with transaction.locked(out_dir):
+            for line in transaction.recover(out_dir):
+                say(f"quantize: {line}")
+            if out_dir.exists():
+                raise CheckpointError(f"{out_dir} exists; move it away to build the drafter again")
+            if not dflash2_format.is_dflash2_drafter(drafter_dir):
+                raise CheckpointError(f"{drafter_dir}: not a DFlash2 drafter directory (config.json with architectures "
+                                      f"[\"{dflash2_format.ARCHITECTURE}\"]): --dflash2 takes the bf16 drafter")
+            drafter = ModelDir.open(drafter_dir, require_qwen35=False)
+            packed = sorted(t for t in drafter.weight_map if t.endswith(".weight_packed"))
+            if packed:
+                raise CheckpointError(f"{drafter_dir} is already quantized ({packed[0]}): start from the bf16 drafter")
+            stats = _finished_capture(stats_path, drafter_dir)
+            expected = dflash2_format.quantizable_modules(drafter.config)
+            if sorted(stats.modules) != expected:
+                raise CheckpointError(f"{stats_path} is not a DFlash2 capture of this drafter "
+                                      "(drafter/capture.py MODEL_DIR --dflash2 DRAFTER_DIR makes one)")
+            modules = [m for m in expected if int4_qkv or not dflash2_format.is_qkv(m)]
+            from safetensors import safe_open
+
+            def weight_of(module: str) -> torch.Tensor:
+                name = f"{module}.weight"
+                with safe_open(str(drafter_dir / drafter.weight_map[name]), framework="pt") as f:
+                    return f.get_tensor(name).float()
+
+            results, table = quantize_all(weight_of, stats, method, modules)
+            markdown = _report(table, method)
+            config = dict(drafter.config, quantization_config=dflash2_format.quant_config(int4_qkv))
+            folder = out_dir.parent / f".{out_dir.name}.drafter-tensors-{os.getpid()}"
+            folder.mkdir()
+            try:
+                write_module_tensors(results, folder)
+                from qwen_serving.checkpoint.rewrite import Change
+                from qwen_serving.checkpoint.safetensors_io import SafetensorsFile, copied_tensor
+
+                new = SafetensorsFile(folder / "model.safetensors")
+                add = [copied_tensor(new, name) for name in sorted(new.tensors)]
+                change = Change(dflash2_format.STEP, SCRIPT, steps.VERSION, {f"{m}.weight" for m in modules}, add,
+                                {t.name: f"{t.name.rsplit('.', 1)[0]}.weight" for t in add}, config)
+                kept = [m for m in expected if m not in modules]
+                change.summary.update({"method": method, "format": "W4A16 int4 symmetric g128 pack-quantized",
+                                       "modules": modules, "kept_bf16": kept, "capture": stats.meta,
+                                       "held_out_error": table,
+                                       "note": dflash2_format.QKV_NOTE if int4_qkv else None})
+                apply_change(drafter, change, target=out_dir)
+            finally:
+                transaction.remove_tree(folder)
+            written = ModelDir.open(out_dir, require_qwen35=False)
+            problems = steps.quant_problems(written) + dflash2_format.layout_problems(written)[0]
+            if problems:
+                raise CheckpointError(f"{out_dir} does not verify: {problems[0]}")
+            print(markdown, end="")
+            if table_path:
+                Path(table_path).write_text(markdown)
+            if int4_qkv:
+                say(f"quantize: warning: {dflash2_format.QKV_NOTE}")
+            size = sum((out_dir / s).stat().st_size for s in set(written.weight_map.values()))
+            say(f"quantize: {out_dir} ready: {len(modules)} int4 matrices, {len(kept)} kept bf16, {size / 1e6:.1f} MB")
+            return 0
+    except (CheckpointError, RuntimeError, ValueError, OSError) as e:
+        print(f"quantize: error: {e}", file=sys.stderr, flush=True)
+        return 2

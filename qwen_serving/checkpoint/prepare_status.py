@@ -2,6 +2,10 @@
 
     python -m qwen_serving.checkpoint.prepare_status models/Qwen3.8-27B-W4A16-AutoRound [--deep] [--strict]
 
+A DFlash2 drafter directory (SPEC=dflash2's DRAFT) gets the drafter's checks instead: complete shards,
+its W4A16 layout against its quantization_config, the dflash2_w4a16 step, and int4 q/k/v (which vLLM
+0.28.0 cannot load) as a FAIL.
+
 Each prepare step is judged from the tensors themselves (dtype and packing) and cross-checked
 with prepared.json: a step the manifest records but the tensors contradict is a FAIL, a step not
 done yet is a WARN (the model still serves, with more memory) unless --strict. --deep re-hashes
@@ -15,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from qwen_serving.checkpoint import step_names, steps, transaction
+from qwen_serving.checkpoint import dflash2_format, step_names, steps, transaction
 from qwen_serving.checkpoint.model_dir import CheckpointError, ModelDir, find_embed_tokens, tokenizer_present
 from qwen_serving.checkpoint.safetensors_io import file_sha256
 
@@ -55,6 +59,8 @@ def status(path: Path, *, deep: bool = False, strict: bool = False) -> int:
     for leftover in transaction.leftovers(path):
         report.line("WARN", f"model: leftover {leftover.name} from an interrupted prepare step; re-running any "
                     "prepare script removes it")
+    if dflash2_format.is_dflash2_drafter(path):
+        return _drafter_status(report, path, deep)
     try:
         model = ModelDir.open(path)
     except CheckpointError as e:
@@ -87,6 +93,33 @@ def status(path: Path, *, deep: bool = False, strict: bool = False) -> int:
         report.line("WARN", "MTP module: none in this checkpoint (SPEC=mtp will not work)")
     if "fast_variant" in model.manifest().get("steps", {}):
         report.line("PASS", f"fast variant: {model.manifest()['steps']['fast_variant'].get('repo')}")
+    if deep:
+        _check_hashes(report, model)
+    return 1 if report.failures else 0
+
+
+def _drafter_status(report: Report, path: Path, deep: bool) -> int:
+    """A DFlash2 drafter directory (SPEC=dflash2's DRAFT): complete shards, the W4A16 layout vLLM 0.28.0 loads."""
+    try:
+        model = ModelDir.open(path, require_qwen35=False)
+    except CheckpointError as e:
+        report.line("FAIL", f"drafter: {e}")
+        return 1
+    shards = set(model.weight_map.values())
+    size = sum((path / s).stat().st_size for s in shards)
+    report.line("PASS", f"drafter: {path} DFlash2, {len(shards)} shard(s) complete, {len(model.weight_map)} tensors, "
+                f"{size / 1e9:.2f} GB")
+    layout, int4 = dflash2_format.layout_problems(model)
+    problems = steps.quant_problems(model) + layout
+    if problems:
+        report.line("FAIL", f"drafter: quantization_config does not match the tensors: {problems[0]}")
+    else:
+        report.line("PASS", "drafter: quantization_config matches every linear (int4 ones and bf16 ones)")
+    total = len(dflash2_format.quantizable_modules(model.config))
+    check_step(report, model, dflash2_format.STEP, "DFlash2 drafter", f"{int4} of {total} linears int4 (W4A16 g128)",
+               int4 > 0, "drafter/capture.py MODEL_DIR --dflash2 DRAFTER_DIR, then drafter/quantize.py --dflash2")
+    if dflash2_format.qkv_int4(model):
+        report.line("FAIL", f"drafter: {dflash2_format.QKV_NOTE}; drafter/quantize.py --dflash2 keeps them bf16")
     if deep:
         _check_hashes(report, model)
     return 1 if report.failures else 0

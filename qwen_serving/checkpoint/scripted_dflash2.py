@@ -281,8 +281,23 @@ def _mask_hidden(target_dir: Path, mask_token_id: int) -> torch.Tensor:
     return _rms(embedding_row(Reference(target_dir), mask_token_id))
 
 
-def write_drafter(target_dir: Path, out: Path, agree: float, seed: int) -> DrafterDesign:
-    """Write the drafter beside `out` and rename it into place: no half-written directory."""
+def live_body(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """The same drafter with acting layers: random o_proj / down_proj (std INIT_STD) and norm weights
+    1 + N(0, 0.1), so every layer changes the residual stream and every norm weight matters. Its
+    proposals are no longer the design's; drafter/ (GPTQ of the drafter) tests and measures on it."""
+    gen = _rng(seed, "live-body")
+    out = dict(tensors)
+    for name, tensor in tensors.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            out[name] = (torch.randn(*tensor.shape, generator=gen) * INIT_STD).to(torch.bfloat16)
+        elif name.endswith("norm.weight"):
+            out[name] = (1 + 0.1 * torch.randn(*tensor.shape, generator=gen)).to(torch.bfloat16)
+    return out
+
+
+def write_drafter(target_dir: Path, out: Path, agree: float, seed: int, live: bool = False) -> DrafterDesign:
+    """Write the drafter beside `out` and rename it into place: no half-written directory. `live`: with
+    `live_body` (no design file then: the proposals are not the design's)."""
     from safetensors.torch import save_file
 
     target_dir, out = Path(target_dir).resolve(), Path(out).resolve()
@@ -293,10 +308,12 @@ def write_drafter(target_dir: Path, out: Path, agree: float, seed: int) -> Draft
     out.parent.mkdir(parents=True, exist_ok=True)
     staged.mkdir()
     try:
-        save_file(designed_tensors(target, target_dir, design), str(staged / "model.safetensors"),
+        tensors = designed_tensors(target, target_dir, design)
+        save_file(live_body(tensors, seed) if live else tensors, str(staged / "model.safetensors"),
                   metadata={"format": "pt"})
         (staged / "config.json").write_text(json.dumps(drafter_config(target, target_config, design), indent=2) + "\n")
-        (staged / DESIGN_FILE).write_text(json.dumps(design.to_json()) + "\n")
+        if not live:
+            (staged / DESIGN_FILE).write_text(json.dumps(design.to_json()) + "\n")
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)
@@ -388,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agree", type=float, required=True, help="share of active tokens the walk follows the chain after")
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--live-body", action="store_true",
+                        help="random o_proj/down_proj and norm weights: layers that act (for drafter/ GPTQ); "
+                             "the proposals are then not the design's, and --predict is refused")
     parser.add_argument("--predict", action="store_true",
                         help="also print the predicted acceptance per position (greedy and generation_config sampling)")
     args = parser.parse_args(argv)
@@ -395,8 +415,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.out} exists; pass --force to replace it")
     if args.seed < 0:
         parser.error("--seed must be >= 0")
+    if args.live_body and args.predict:
+        parser.error("--predict needs the designed (inert) body; leave out --live-body")
     try:
-        design = write_drafter(args.target_dir, args.out, args.agree, args.seed)
+        design = write_drafter(args.target_dir, args.out, args.agree, args.seed, args.live_body)
     except ValueError as e:
         parser.error(str(e))
     report = {"drafter": str(args.out), "agree": design.agree, "target_layer_ids": design.target_layer_ids}

@@ -1,0 +1,262 @@
+"""drafter/ for the DFlash2 drafter: the float32 forward against vLLM's, the capture's Hessians, resume, the
+W4A16 writer (prepare_status, vLLM's CPU load, the q/k/v layout vLLM 0.28.0 refuses), clear errors, and GPTQ
+against round-to-nearest when the quant venv exists.
+
+The drafter is the scripted tiny one with `--live-body` (random o_proj / down_proj and norm weights), so
+every layer acts on the residual stream and every norm weight matters to the comparison with vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qwen_serving.checkpoint import dflash2_format, drafter_capture, drafter_quantize, prepare_status, synth
+from qwen_serving.checkpoint import scripted_dflash2 as sd2
+from qwen_serving.checkpoint.dflash2_reference import Dflash2Forward
+from qwen_serving.checkpoint.drafter_capture import Stats
+from qwen_serving.checkpoint.model_dir import ModelDir
+from qwen_serving.checkpoint.scripted_reference import Reference
+from tests.helpers.tiny_checkpoint import REPO, tree_state
+
+PROMPTS, TOKENS, EVERY, ANCHOR_EVERY = 6, 24, 3, 4
+QUANT_PYTHON = Path(os.environ.get("QS_QUANT_VENV", REPO / "drafter" / ".venv-quant")) / "bin" / "python"
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
+       "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dflash2-gptq") / "tiny8"
+    assert synth.main(["--size", "tiny", "--layers", "8", "--out", str(out), "--seed", "0", "--behaviour", "scripted"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def drafter(target) -> Path:
+    path = target.parent / "dflash2-live"
+    assert sd2.main([str(target), "--out", str(path), "--agree", "0.7", "--seed", "0", "--live-body"]) == 0
+    return path
+
+
+def _capture(target: Path, drafter: Path, out: Path, **kwargs) -> Stats:
+    return drafter_capture.capture_dflash2(target, drafter, out, max_prompts=PROMPTS, max_tokens=TOKENS,
+                                           held_out_every=EVERY, anchor_every=ANCHOR_EVERY, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def captured(target, drafter) -> tuple[Path, Stats]:
+    out = target.parent / "dflash2.capture.safetensors"
+    return out, _capture(target, drafter, out)
+
+
+def _aux(ref: Reference, fwd: Dflash2Forward, ids: list[int]) -> torch.Tensor:
+    states = ref.layer_states(ids, max(fwd.target_layer_ids) + 1)
+    return torch.cat([states["layers"][t]["stream"] for t in fwd.target_layer_ids], -1)
+
+
+def test_the_forward_is_vllms_dflash2_model(target, drafter, tmp_path):
+    """vLLM 0.28.0's DFlash2Qwen3ForCausalLM on the CPU (tests/helpers/dflash2_vllm_forward.py), one block over
+    a 20-token context: its final hidden states, the normed context rows its precompute projects, and the input
+    of every fc / qkv / o / gate_up / down layer equal this forward's observed inputs. vLLM holds its RoPE
+    cos/sin cache in the model dtype (bf16), the one approximation here: 2e-3 relative."""
+    ref, fwd = Reference(target), Dflash2Forward(drafter)
+    ids = list(range(10, 40))
+    anchor = 20
+    aux = _aux(ref, fwd, ids)[:anchor]
+    block = [ids[anchor]] + [fwd.mask_token_id] * (fwd.block - 1)
+    save_file({"aux": aux.contiguous(), "ids": torch.tensor(block)}, str(tmp_path / "in.safetensors"))
+    proc = subprocess.run([sys.executable, "tests/helpers/dflash2_vllm_forward.py", str(target), str(drafter),
+                           str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors")],
+                          env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    vllm = load_file(str(tmp_path / "out.safetensors"))
+    seen: dict[str, list[torch.Tensor]] = {}
+    fwd.observe = lambda module, x: seen.setdefault(module, []).append(x.reshape(-1, x.shape[-1]).clone())
+    with torch.no_grad():
+        states = fwd.context_states(aux)
+        hidden = fwd.blocks(fwd.block_inputs(ref.embed, ids, [anchor]), torch.tensor([anchor]),
+                            fwd.context_kv(states, torch.arange(anchor)))[0]
+
+    def close(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+        return ours.shape == theirs.shape and float((ours - theirs).abs().max()) <= 2e-3 * float(theirs.abs().max())
+
+    assert close(hidden, vllm["hidden"])
+    assert close(seen["fc"][0], vllm["in/model.fc"]) and close(states, vllm["in/context_kv"])
+    for i in range(fwd.layers):
+        # the context rows reach k_proj / v_proj first (the precompute), the block rows after
+        assert torch.equal(seen[f"layers.{i}.self_attn.k_proj"][0], states)
+        for ours, theirs in (("self_attn.q_proj", "self_attn.qkv_proj"), ("self_attn.o_proj", "self_attn.o_proj"),
+                             ("mlp.gate_proj", "mlp.gate_up_proj"), ("mlp.down_proj", "mlp.down_proj")):
+            assert close(seen[f"layers.{i}.{ours}"][-1], vllm[f"in/model.layers.{i}.{theirs}"]), (i, ours)
+        assert close(seen[f"layers.{i}.self_attn.k_proj"][1], vllm[f"in/model.layers.{i}.self_attn.qkv_proj"])
+
+
+def test_the_capture_covers_the_36_matrices(drafter, captured):
+    config = json.loads((drafter / "config.json").read_text())
+    assert captured[1].modules == dflash2_format.quantizable_modules(config)
+    assert len(captured[1].modules) == 36
+
+
+def test_hessians_are_the_sums_of_the_observed_inputs(target, drafter, captured):
+    out, stats = captured
+    prompts = drafter_capture.tokenize(target, drafter_capture.load_prompt_items(None)[:PROMPTS], TOKENS)
+    calib = [ids for n, ids in enumerate(prompts) if n % EVERY != EVERY - 1]
+    held = [ids for n, ids in enumerate(prompts) if n % EVERY == EVERY - 1]
+    assert calib and held
+    ref, fwd = Reference(target), Dflash2Forward(drafter)
+    rows: dict[str, list[torch.Tensor]] = {}
+    aux_rows, context_rows = [], []
+    fwd.observe = lambda module, x: rows.setdefault(module, []).append(x.reshape(-1, x.shape[-1]).double())
+    with torch.no_grad():
+        for ids in calib:
+            aux = _aux(ref, fwd, ids)
+            aux_rows.append(aux.double())
+            states = fwd.context_states(aux)
+            context_rows.append(states.double())
+            anchors = list(range(1, len(ids), ANCHOR_EVERY))
+            fwd.blocks(fwd.block_inputs(ref.embed, ids, anchors), torch.tensor(anchors),
+                       fwd.context_kv(states, torch.arange(len(ids))))
+    for module in stats.modules:
+        x = torch.cat(rows[module])
+        assert stats.rows[module] == len(x), module
+        assert torch.allclose(stats.hessian[module], x.T @ x, rtol=1e-6, atol=1e-6), module
+    # fc reads the target's states at target_layer_ids, one row per token ...
+    aux = torch.cat(aux_rows)
+    assert stats.rows["fc"] == sum(len(ids) for ids in calib)
+    assert torch.allclose(stats.hessian["fc"], aux.T @ aux, rtol=1e-6, atol=1e-6)
+    # ... and k_proj = q_proj's block rows plus every token's normed context row (the precompute's input)
+    blocks = sum(8 * len(range(1, len(ids), ANCHOR_EVERY)) for ids in calib)
+    context = torch.cat(context_rows)
+    for i in range(fwd.layers):
+        q, k = f"layers.{i}.self_attn.q_proj", f"layers.{i}.self_attn.k_proj"
+        assert stats.rows[q] == blocks and stats.rows[k] == blocks + len(context)
+        assert torch.allclose(stats.hessian[k] - stats.hessian[q], context.T @ context, rtol=1e-5, atol=1e-5)
+    # held-out prompts are kept raw, never in a Hessian
+    assert len(stats.held_out_rows("fc")) == sum(len(ids) for ids in held)
+    loaded = Stats.load(out)
+    assert loaded.meta["done"] == loaded.meta["prompts"] == len(prompts) and loaded.meta["anchor_every"] == ANCHOR_EVERY
+
+
+def test_an_interrupted_capture_resumes_to_the_same_statistics(target, drafter, captured, tmp_path, monkeypatch):
+    out = tmp_path / "resumed.safetensors"
+    real = drafter_capture.observe_dflash2_prompt
+    calls = []
+
+    def dies_on_the_third(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real(*args)
+
+    monkeypatch.setattr(drafter_capture, "observe_dflash2_prompt", dies_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        _capture(target, drafter, out)
+    assert Stats.load(out).meta["done"] == 2
+    monkeypatch.setattr(drafter_capture, "observe_dflash2_prompt", real)
+    resumed, full = _capture(target, drafter, out), captured[1]
+    assert resumed.rows == full.rows
+    assert all(torch.allclose(resumed.hessian[m], full.hessian[m], rtol=1e-12, atol=1e-12) for m in full.modules)
+    with pytest.raises(drafter_capture.CheckpointError, match="another target or --anchor-every"):
+        drafter_capture.capture_dflash2(target, drafter, out, max_prompts=PROMPTS, max_tokens=TOKENS,
+                                        held_out_every=EVERY, anchor_every=ANCHOR_EVERY + 1)
+
+
+def _quantize(drafter: Path, capture: Path, out: Path, *extra: str, python: str = sys.executable):
+    return subprocess.run([python, "drafter/quantize.py", str(drafter), "--dflash2", "--capture", str(capture),
+                           "--out", str(out), *extra], cwd=REPO, capture_output=True, text=True, timeout=900)
+
+
+def _vllm_load(target: Path, drafter: Path) -> dict:
+    report = drafter.parent / f"{drafter.name}-load.json"
+    proc = subprocess.run([sys.executable, "tests/helpers/dflash2_vllm_load.py", str(target), str(drafter), str(report)],
+                          env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(report.read_text())
+
+
+def _check_drafter(target: Path, drafter: Path, quantized: Path, method: str, before: dict[str, str]) -> list[dict]:
+    assert tree_state(drafter) == before  # the bf16 drafter is left as it was
+    assert prepare_status.status(quantized, deep=True) == 0
+    model = ModelDir.open(quantized, require_qwen35=False)
+    record = model.manifest()["steps"][dflash2_format.STEP]
+    assert record["script"] == "drafter/quantize.py" and record["method"] == method
+    assert len(record["modules"]) == 21 and all(dflash2_format.is_qkv(m) for m in record["kept_bf16"])
+    assert not [p for p in quantized.parent.iterdir() if p.name.startswith(f".{quantized.name}.")
+                and not p.name.endswith(".lock")]  # nothing half-written beside it
+    report = _vllm_load(target, quantized)
+    assert report["loaded"], report
+    layers = report["layers"]
+    assert len(layers) == 1 + 4 * 5 and all(layer["bytes_equal"] for layer in layers.values()), layers
+    for name, layer in layers.items():
+        expected = None if name.endswith("qkv_proj") else 4
+        assert layer["bits"] == expected and (layer["scheme"] == "CompressedTensorsWNA16") == bool(expected), name
+    return record["held_out_error"]
+
+
+def test_the_rtn_drafter_passes_prepare_status_and_loads_in_vllm(target, drafter, captured, tmp_path):
+    before = tree_state(drafter)
+    out = tmp_path / "dflash2-W4A16"
+    proc = _quantize(drafter, captured[0], out, "--method", "rtn")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _check_drafter(target, drafter, out, "rtn", before)
+    again = _quantize(drafter, captured[0], out, "--method", "rtn")
+    assert again.returncode == 2 and "exists" in again.stderr
+
+
+def test_int4_qkv_is_the_layout_vllm_0_28_cannot_load(target, drafter, captured, tmp_path, capsys):
+    """All 36 matrices int4: prepare_status fails it with the reason, and vLLM's load does fail there
+    (upstream vllm#51581). Should a vLLM fix land, this test says the default may quantize q/k/v."""
+    out = tmp_path / "dflash2-W4A16-qkv"
+    proc = _quantize(drafter, captured[0], out, "--method", "rtn", "--int4-qkv")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "vllm#51581" in proc.stdout + proc.stderr
+    assert len(ModelDir.open(out, require_qwen35=False).manifest()["steps"][dflash2_format.STEP]["modules"]) == 36
+    capsys.readouterr()
+    assert prepare_status.status(out) == 1
+    assert "vllm#51581" in capsys.readouterr().out
+    report = _vllm_load(target, out)
+    assert not report["loaded"] and "AttributeError" in report["error"] and "weight" in report["error"], report
+
+
+def test_a_wrong_directory_is_a_clear_error(target, drafter, captured, tmp_path):
+    proc = _quantize(target, captured[0], tmp_path / "x", "--method", "rtn")
+    assert proc.returncode == 2 and "not a DFlash2 drafter" in proc.stderr and not (tmp_path / "x").exists()
+    plain = subprocess.run([sys.executable, "drafter/quantize.py", str(drafter), "--method", "rtn", "--capture",
+                            str(captured[0]), "--out", str(tmp_path / "y")], cwd=REPO, capture_output=True, text=True)
+    assert plain.returncode == 2 and "pass --dflash2" in plain.stderr and not (tmp_path / "y").exists()
+    capture = subprocess.run([sys.executable, "drafter/capture.py", str(target), "--dflash2", str(target), "--out",
+                              str(tmp_path / "c.safetensors")], cwd=REPO, capture_output=True, text=True)
+    assert capture.returncode == 2 and "not a DFlash2 drafter" in capture.stderr
+    quantized = tmp_path / "q"
+    assert _quantize(drafter, captured[0], quantized, "--method", "rtn").returncode == 0
+    again = _quantize(quantized, captured[0], tmp_path / "z", "--method", "rtn")
+    assert again.returncode == 2 and "already quantized" in again.stderr
+
+
+@pytest.mark.skipif(not QUANT_PYTHON.exists(),
+                    reason=f"no quant venv at {QUANT_PYTHON.parent.parent} (bash drafter/install.sh makes it; "
+                           "llmcompressor cannot live in the test venv beside vLLM 0.28.0)")
+def test_gptq_beats_round_to_nearest_on_every_matrix_and_the_drafter_loads(target, drafter, tmp_path):
+    # enough calibration rows per input column: fc's input is 5 x 256 wide here, one row per token
+    capture = tmp_path / "gptq.capture.safetensors"
+    drafter_capture.capture_dflash2(target, drafter, capture, max_prompts=30, max_tokens=160, held_out_every=5,
+                                    save_every=10)
+    before = tree_state(drafter)
+    out = tmp_path / "dflash2-W4A16"
+    proc = _quantize(drafter, capture, out, python=str(QUANT_PYTHON))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = _check_drafter(target, drafter, out, "gptq", before)
+    assert drafter_quantize.gptq_beats_rtn(table) == [], table
+    # the q/k/v matrices too (the 36-matrix layout)
+    every = _quantize(drafter, capture, tmp_path / "dflash2-W4A16-qkv", "--int4-qkv", python=str(QUANT_PYTHON))
+    assert every.returncode == 0, every.stdout[-3000:] + every.stderr[-3000:]
+    record = ModelDir.open(tmp_path / "dflash2-W4A16-qkv", require_qwen35=False).manifest()["steps"][dflash2_format.STEP]
+    assert len(record["held_out_error"]) == 36 and drafter_quantize.gptq_beats_rtn(record["held_out_error"]) == []

@@ -41,7 +41,6 @@ VISION_MAX_PIXELS = VISION_IMAGE_TOKENS * 32 * 32  # one image token per 32x32 p
 VISION_OFFLOAD_ENV = "VLLM_VISION_OFFLOAD"  # read by patches/vision-offload.patch (engine/vision_offload.py)
 VISION_OFFLOAD_GIB = 0.125  # the default budget: the merger stays on the card, the 27 blocks stream
 VISION_OFFLOAD_MIN_GIB = math.ceil(model.vision_offload_floor_bytes() / (1 << 30) * 1000) / 1000  # 0.093
-HUGE_KV = "kvarn"  # the long-context cache dtype CTX=huge and KV=kvarn ask for (the KVarN cache is not built yet)
 LOOKUP_ENV = "VLLM_DFLASH2_LOOKUP"  # read by patches/dflash2-lookup.patch (engine/spec_dflash2_lookup.py)
 LOOKUP_MAX_NMAX = 64  # the lookup kernel unrolls its match loop NMAX times
 LOOKUP_PARAMS = (  # (variable, largest value, default, what it sets): the spec's values
@@ -421,22 +420,24 @@ KNOBS: tuple[Knob, ...] = (
          argv=_spec_args, idle="off"),
     Knob("CTX", _choice("fast", "long", "huge"), _rules(Rule("fast")),
          "`fast`: bf16 KV, FlashAttention, 64k; `long`: 150k (MTP: fp8 KV on FlashInfer, 3 drafts; DFlash2: "
-         "int8 per-token-head KV on Triton); `huge`: KVarN 4/2-bit KV, 200-245k (the KVarN cache is not built yet)",
+         "int8 per-token-head KV on Triton); `huge`: vLLM's int4 per-token-head KV on Triton, 262k (DFlash2: 245k), "
+         "2 seats (docs/long-context.md)",
          SINGLE, argv=_kv_args),
-    Knob("KV", _choice("fp8", "int4pth", "kvarn"), _rules(Rule("fp8")),
-         "KV cache: `fp8`; `int4pth` = vLLM's int4 per-token-head cache on the Triton backend; `kvarn` = the "
-         "KVarN 4/2-bit cache (not built yet)", BATCH, argv=_kv_args),
+    Knob("KV", _choice("fp8", "int4pth"), _rules(Rule("fp8")),
+         "KV cache: `fp8`; `int4pth` = vLLM's int4 per-token-head cache on the Triton backend (262k)", BATCH,
+         argv=_kv_args),
     Knob("DFLASH_TOKENS", _int(7, 31), _rules(Rule(7)),
          "DFlash2 verify block (vLLM's num_speculative_tokens); the drafter proposes 7. Above 7 the lookup fills the "
          "positions past them and the long block is verified only while a copy runs, the drafter's 7 otherwise (the "
          "spec's reproduction mode at 15: +47% when answers quote the prompt, half the seats); not run on a GPU yet",
          SINGLE),
     Knob("DRAFT_TOKENS", _int(1, 8), _rules(
-        Limit(3, {"SPEC": "mtp", "CTX": ("long", "huge")}, "spec: k=4 dies with an illegal memory access on FlashInfer",
-              allowed=at_most(3), checked_when={"SPEC": "mtp", "CTX": "long"},  # FlashInfer is CTX=long's backend
+        Limit(3, {"SPEC": "mtp", "CTX": "long"}, "spec: k=4 dies with an illegal memory access on FlashInfer",
+              allowed=at_most(3),
               message="DRAFT_TOKENS={DRAFT_TOKENS} on CTX=long: FlashInfer's spec-decode path dies with an illegal "
                       "memory access with 4 drafts once requests finish mid-batch (spec); set DRAFT_TOKENS=3 (or 2), "
                       "or CTX=fast for 4 drafts"),
+        Rule(3, {"SPEC": "mtp", "CTX": "huge"}, "spec: CTX=huge runs 3 drafts"),
         Rule(4)), "MTP drafts per step; 5 and 6 are slower", SINGLE),
     Knob("MAX_SEQS", _int(1, 1024), _rules(
         Rule(64, {"mode": "batch"}),
@@ -450,8 +451,8 @@ KNOBS: tuple[Knob, ...] = (
         argv=_opt("--max-num-seqs")),
     Knob("DFLASH_MAX_LEN", _int(1024, 1 << 20), _rules(
         # each keyed on SPEC=dflash2 too, so no other plan prints a note for a value it never reads
-        Rule(221_184, {"SPEC": "dflash2", "CTX": "huge", "DFLASH_TOKENS": Above(7)},
-             "spec 82bd62d: above 7 drafts 240k does not boot"),
+        Rule(212_992, {"SPEC": "dflash2", "CTX": "huge", "DFLASH_TOKENS": Above(7)},
+             "memory model: the longest context a 16-token block leaves in the 4.90 GiB pool (spec: 240k does not boot)"),
         Rule(245_760, {"SPEC": "dflash2", "CTX": "huge"}),
         Rule(114_688, {"SPEC": "dflash2", "CTX": "long", "DFLASH_TOKENS": Above(7)}),
         Rule(131_072, {"SPEC": "dflash2", "CTX": "long"}),
@@ -459,10 +460,10 @@ KNOBS: tuple[Knob, ...] = (
              "memory model: the longest context a 16-token block leaves in 5.2 GiB"),
         Rule(65_536)), "context length with SPEC=dflash2", SINGLE),
     Knob("MAX_LEN", _int(1024, 1 << 20), _rules(
-        Rule(262_144, {"mode": "batch", "KV": ("int4pth", "kvarn")}),
+        Rule(262_144, {"mode": "batch", "KV": "int4pth"}),
         Rule(150_000, {"mode": "batch"}),
         Rule(Ref("DFLASH_MAX_LEN"), {"SPEC": "dflash2"}),
-        Rule(200_000, {"CTX": "huge"}),
+        Rule(262_144, {"CTX": "huge"}, "the model's whole context: int4 per-token-head holds it on a 24 GB card"),
         Rule(150_000, {"CTX": "long"}),
         Rule(65_536)), "max-model-len: the longest prompt + answer one request may have",
         argv=lambda value, v, z: ["--max-model-len", str(z.max_len)]),  # z.max_len: after KV_MEM=auto fitting
@@ -750,10 +751,9 @@ def kv_layout(v: Values) -> tuple[str, str, str]:
     """(--kv-cache-dtype, --attention-backend or "", why) from KV (batch) or CTX and SPEC (single)."""
     if v.mode == "batch":
         return {"fp8": ("fp8", "", "KV=fp8"),
-                "int4pth": ("int4_per_token_head", "TRITON_ATTN", "KV=int4pth: vLLM's per-token-head int4"),
-                "kvarn": (HUGE_KV, "", "KV=kvarn")}[v.kv]
-    if v.ctx == "huge":
-        return HUGE_KV, "", "CTX=huge: KVarN 4/2-bit"
+                "int4pth": ("int4_per_token_head", "TRITON_ATTN", "KV=int4pth: vLLM's per-token-head int4")}[v.kv]
+    if v.ctx == "huge":  # over KVarN on attention fidelity (docs/long-context.md, "Which cache CTX=huge ships")
+        return "int4_per_token_head", "TRITON_ATTN", "CTX=huge: vLLM's int4 per-token-head KV on Triton"
     if v.ctx == "long" and v.spec == "dflash2":
         return "int8_per_token_head", "TRITON_ATTN", "CTX=long with SPEC=dflash2: int8 per-token-head on Triton"
     if v.ctx == "long":

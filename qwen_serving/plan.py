@@ -28,7 +28,7 @@ from . import dotenv, knobs, memory, vllm_028
 from . import model as model_dims
 from .checkpoint import step_names
 from .engine import env_vars
-from .knobs import API_KEY_FILE, BASE_MODEL, FAST_MODEL, HUGE_KV, KNOBS, KnobError, Setting, Sized, Values
+from .knobs import API_KEY_FILE, BASE_MODEL, FAST_MODEL, KNOBS, KnobError, Setting, Sized, Values
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_PYTHON = "venv/bin/python"
@@ -446,16 +446,14 @@ def _size_pool(v: Values, model: str, probe: Probe, notes: list[str],
     derived.append(Derived("kv-cache-dtype", kv_dtype, kv_why))
     if backend:
         derived.append(Derived("attention-backend", backend, kv_why))
-    if kv_dtype == HUGE_KV and HUGE_KV not in probe.kv_dtypes:
-        what = "CTX=huge" if v.mode == "single" else "KV=kvarn"
-        other = "CTX=long (150k)" if v.mode == "single" else "KV=int4pth (vLLM's own int4 cache) or KV=fp8"
-        _refuse(f"{what} needs the KVarN long-context KV cache, which vLLM {vllm_028.VERSION} does not have (the KVarN "
-                f"cache is not built yet); set {other}")
+    if kv_dtype not in probe.kv_dtypes:  # a cache this plan asks for must be one the vLLM it serves takes
+        _refuse(f"--kv-cache-dtype {kv_dtype} ({kv_why}) is not a cache type vLLM {vllm_028.VERSION} takes; set "
+                f"{'CTX=fast' if v.mode == 'single' else 'KV=fp8'}")
     batched_tokens = memory.PREFILL_CHUNK if v.mode == "single" else None
     cache = memory.CacheShape(kv_dtype=kv_dtype, state_dtype=v.state_dtype, spec=v.spec,
                               spec_tokens=_spec_tokens(v), prefix_cache=bool(v.prefix_cache),
                               async_scheduling=bool(v.async_sched), max_num_batched_tokens=batched_tokens or VLLM_BATCHED_TOKENS,
-                              tp=v.tp, max_num_seqs=v.max_seqs if kv_dtype == HUGE_KV else 1)  # only KVarN's staging reads it
+                              tp=v.tp)
     offload_gib = _vision_offload_gib(lambda name: getattr(v, name.lower()))
     weights = memory.weights_bytes(v.spec, fast_variant=(model == FAST_MODEL), vision=bool(v.vision), tp=v.tp,
                                    vision_offload_gib=offload_gib)
@@ -546,9 +544,6 @@ def _cache_lines(cache: memory.CacheShape, v: Values, sized: Sized) -> list[Deri
                      f"(1+k) GDN state pages, k={_spec_tokens(v)}"
                      + (", +1 for prefix caching" if v.prefix_cache else "")
                      + (", + the drafter's window" if v.spec == "dflash2" else ""))]
-    if cache.staging_bytes():
-        lines.append(Derived("KVarN staging pool", f"{cache.staging_bytes() / memory.MiB:.0f} MiB{_per_card(v.tp)}",
-                             "16-bit sink and growing tiles, beside KV_MEM (memory.kvarn_staging_slots)"))
     if sized.kv_mem is not None:
         lines += _pool_lines(cache, sized.kv_mem, sized.max_len, v.max_seqs)
     return lines

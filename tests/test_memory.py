@@ -247,18 +247,18 @@ def test_auto_kv_mem_on_a_24_gib_card():
 
 
 @pytest.mark.parametrize("env", [{"CTX": "huge", "KV_MEM": "5GiB"}, {"CTX": "huge", "SPEC": "dflash2", "PREFIX_CACHE": "1"}])
-def test_plan_prints_the_kvarn_pool(tmp_path, env):
-    """With KVarN in the series, the plan of CTX=huge carries its pool: the memory model's KVarN figures."""
-    from qwen_serving import knobs, plan, vllm_028
+def test_plan_prints_the_huge_pool(tmp_path, env):
+    """The plan of CTX=huge carries its pool: vLLM's int4 per-token-head cache, 1,056 B per token per layer."""
+    from qwen_serving import knobs, plan
 
     drafter = tmp_path / knobs.DFLASH2_DRAFTER
     drafter.mkdir(parents=True)
     (drafter / "config.json").write_text("{}")
-    p = plan.build("single", env, plan.Probe(repo=tmp_path, kv_dtypes=vllm_028.KV_CACHE_DTYPES | {"kvarn"}))
-    assert p.cache.kv_dtype == "kvarn" and p.cache.kv_bytes_per_token_layer == 840
+    p = plan.build("single", env, plan.Probe(repo=tmp_path))
+    assert p.cache.kv_dtype == "int4_per_token_head" and p.cache.kv_bytes_per_token_layer == 1056
     derived = {d.name: d.value for d in p.derived}
     max_len, kv_mem = p.value("MAX_LEN"), p.kv_mem
     assert derived["pool"].startswith(f"{p.cache.pool_tokens(kv_mem, max_len):,} tokens at {max_len:,}")
     assert derived["longest context"] == f"{p.cache.longest_context(kv_mem):,} tokens"
-    assert derived["KVarN staging pool"] == f"{p.cache.staging_bytes() / memory.MiB:.0f} MiB"
-    assert derived["block size"] == f"{p.cache.block_size} tokens" and p.cache.block_size % 128 == 0
+    assert "KVarN staging pool" not in derived and p.cache.staging_bytes() == 0
+    assert derived["block size"] == f"{p.cache.block_size} tokens" and p.cache.fits(kv_mem, max_len)

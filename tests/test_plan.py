@@ -22,28 +22,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def probe(tmp_path) -> Probe:
-    """vLLM 0.28.0's facts, a repo with the drafter present, and KVarN as if it were built."""
+    """vLLM 0.28.0's facts and a repo with the drafter present."""
     drafter = tmp_path / knobs.DFLASH2_DRAFTER
     drafter.mkdir(parents=True)
     (drafter / "config.json").write_text("{}")
-    return Probe(repo=tmp_path, kv_dtypes=vllm_028.KV_CACHE_DTYPES | {"kvarn"})
+    return Probe(repo=tmp_path)
 
 
-def parse(vllm_cli, argv: tuple[str, ...], kv_dtypes: frozenset[str]):
+def parse(vllm_cli, argv: tuple[str, ...]):
     """Parse argv (starting `vllm serve`) like `vllm serve` does, then build EngineArgs."""
     assert argv[:2] == ("vllm", "serve")
-    args = list(argv[1:])
-    if "kvarn" not in kv_dtypes and "kvarn" in args:
-        # KVarN is not in the series yet; its dtype is the one word this vLLM cannot know.
-        args[args.index("kvarn")] = "int4_per_token_head"
-    return vllm_cli.serve(args)
+    return vllm_cli.serve(list(argv[1:]))
 
 
 EXAMPLES = [
     ("batch", {}),
     ("batch", {"PREFIX_CACHE": "0"}),
     ("batch", {"KV": "int4pth"}),
-    ("batch", {"KV": "kvarn"}),
     ("batch", {"INT8_LAYERS": "."}),
     ("batch", {"INT8_ACT": "off"}),
     ("batch", {"REQ_METRICS": "1", "API_SERVERS": "2", "HOST": "0.0.0.0", "VLLM_API_KEY": "k"}),
@@ -67,7 +62,7 @@ EXAMPLES = [
                                                           for m, e in EXAMPLES])
 def test_spec_examples_parse_through_vllm_serve(mode, env, probe, vllm_cli):
     p = plan.build(mode, env, probe)
-    ns, ea = parse(vllm_cli, p.argv, probe.kv_dtypes - {"kvarn"})
+    ns, ea = parse(vllm_cli, p.argv)
     s = {k: v.value for k, v in p.settings.items()}
     assert ea.max_num_seqs == s["MAX_SEQS"] and ea.max_model_len == s["MAX_LEN"]
     assert ea.host == s["HOST"] if hasattr(ea, "host") else ns.host == s["HOST"]
@@ -99,7 +94,7 @@ def test_prefix_cache_0_turns_off_what_0_28_turns_on(probe, vllm_cli):
     argv = plan.build("single", {"PREFIX_CACHE": "0"}, probe).argv
     assert "--no-enable-prefix-caching" in argv
     bare = [a for a in argv if a != "--no-enable-prefix-caching"]
-    _, ea = parse(vllm_cli, tuple(bare), probe.kv_dtypes)
+    _, ea = parse(vllm_cli, tuple(bare))
     assert ea.enable_prefix_caching is None  # left to vLLM, which then turns it on for this model
 
 
@@ -161,11 +156,21 @@ def test_refuse_dflash2_without_drafter(tmp_path):
     assert any(step.command.endswith("prepare/fetch_dflash2.py") for step in dry.missing)
 
 
-def test_refuse_huge_without_long_context_kv(probe):
-    stock = Probe(repo=probe.repo)  # what the plan knows of 0.28.0: no KVarN
-    for mode, env, fix in (("single", {"CTX": "huge"}, "CTX=long"), ("batch", {"KV": "kvarn"}, "KV=int4pth")):
-        msg = refused(mode, env, stock, "the KVarN cache is not built yet")
-        assert fix in msg and "install.sh" not in msg
+def test_huge_is_vllms_own_int4_cache_at_the_whole_context(probe):
+    for env, max_len in (({"CTX": "huge"}, 262_144), ({"CTX": "huge", "SPEC": "dflash2"}, 245_760),
+                         ({"CTX": "huge", "SPEC": "dflash2", "DFLASH_TOKENS": "15"}, 212_992)):
+        p = plan.build("single", env, probe)
+        assert p.cache.kv_dtype == "int4_per_token_head" and p.value("MAX_LEN") == max_len
+        assert p.argv[p.argv.index("--attention-backend") + 1] == "TRITON_ATTN"
+        if p.kv_mem:  # the DFlash2 pools are pinned: one request of the whole context fits
+            assert p.cache.fits(p.kv_mem, max_len)
+    refused("batch", {"KV": "kvarn"}, probe, "'kvarn' is not one of fp8, int4pth")  # not built: not offered
+
+
+def test_refuse_a_cache_the_vllm_does_not_take(probe):
+    older = Probe(repo=probe.repo, kv_dtypes=vllm_028.KV_CACHE_DTYPES - {"int4_per_token_head"})
+    msg = refused("single", {"CTX": "huge"}, older, "--kv-cache-dtype int4_per_token_head (CTX=huge")
+    assert "is not a cache type vLLM 0.28.0 takes; set CTX=fast" in msg
 
 
 def test_refuse_open_host_without_key(probe):
@@ -232,7 +237,7 @@ def test_ctx_long_caps_only_mtps_drafts(probe):
     def notes(spec):
         return [n for n in plan.build("single", {"CTX": "long", "SPEC": spec}, probe).notes if "DRAFT_TOKENS" in n]
     assert notes("dflash2") == notes("off") == []  # no MTP, nothing capped
-    assert notes("mtp") and notes("mtp")[0].startswith("DRAFT_TOKENS=3 because SPEC=mtp, CTX=long/huge")
+    assert notes("mtp") and notes("mtp")[0].startswith("DRAFT_TOKENS=3 because SPEC=mtp, CTX=long: spec: k=4 dies")
 
 
 @pytest.mark.parametrize("layers", ["mlp|linear_attn", "linear_attn|mlp", "linear_attn|mlp|mlp"])
@@ -505,8 +510,10 @@ def test_the_plan_answers_the_same_before_and_after_install(tmp_path, mode, env)
 
     before, after = answer(False), answer(True)
     assert before == after
-    if env.get("KV") == "kvarn" or env.get("CTX") == "huge":
-        assert isinstance(before, str) and "KVarN" in before
+    if env.get("KV") == "kvarn":
+        assert isinstance(before, str) and "'kvarn' is not one of" in before
+    if env.get("CTX") == "huge":
+        assert not isinstance(before, str) and "int4_per_token_head" in before[0]
     if "TOOL_PARSER" in env:
         assert isinstance(before, str) and "did you mean qwen3_coder" in before
 

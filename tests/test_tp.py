@@ -194,8 +194,7 @@ def test_every_mode_and_pairing_plans_under_tp(tp, mode, env, probe, vllm_cli):
 
 
 @pytest.mark.parametrize(("mode", "env", "needle"), [
-    ("single", {"CTX": "huge"}, "the KVarN cache is not built yet"),
-    ("batch", {"KV": "kvarn"}, "the KVarN cache is not built yet"),
+    ("batch", {"KV": "kvarn"}, "'kvarn' is not one of fp8, int4pth"),
     ("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15", "MAX_SEQS": "8"}, "set MAX_SEQS=4"),
 ])
 def test_what_one_card_refuses_two_refuse_too(mode, env, needle, probe):

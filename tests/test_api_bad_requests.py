@@ -7,6 +7,8 @@ abort it. CPU harness, fake engine: not yet seen on a served GPU (docs/gotchas.m
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from bench import soak
@@ -84,16 +86,40 @@ def test_a_good_stream_ends_with_done(server):
 
 
 # ---------------------------------------------------------------------------------------------
+# every kind bench/soak.py draws, as it draws them: the status the soak expects is vLLM's
+# (disconnect, cancel and retry are the client's doing: the tests at the end)
+
+SENT_AS_BUILT = [name for name in soak.KINDS if name not in ("disconnect", "cancel", "retry")]
+
+
+@pytest.mark.parametrize("kind", SENT_AS_BUILT)
+def test_each_soak_kind_gets_the_answer_the_soak_expects(server, kind):
+    facts = soak.ServerFacts(server.model, MAX_MODEL_LEN, has_key=True)
+    keys = {"ok": KEY, "wrong": f"wrong-{KEY}", "none": None}
+    for seed in range(6):  # a few draws of the kind (each variant of each bad kind has its own test below)
+        spec = soak.KINDS[kind].build(random.Random(seed), facts, 16)
+        request = soak.Request(seed, kind, **spec)
+        with server.slow_tokens(0):
+            response = server.client.post(request.path, request.body, key=keys[request.auth],
+                                          raw=None if request.raw is None else request.raw.encode())
+        assert response.status in soak.KINDS[kind].expect, (request, response.status, response.text[:600])
+        if response.status >= 400:
+            assert soak.has_message(response.text), response.text
+        elif request.mode == "stream":
+            assert response.events()[-1] in ("[DONE]", '{"type":"message_stop"}'), response.events()[-3:]
+
+
+# ---------------------------------------------------------------------------------------------
 # soak kinds: malformed_json, wrong_type, unknown_field, bad_value
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS, MESSAGES])
-@pytest.mark.parametrize("raw", soak._MALFORMED)
+@pytest.mark.parametrize("raw", soak.MALFORMED)
 def test_malformed_json(server, path, raw):
     refused(server.client.post(path, raw=raw.encode()), 400, "JSON decode error" if raw else "Field required")
 
 
-@pytest.mark.parametrize("wrong", soak._WRONG_TYPES, ids=lambda wrong: next(iter(wrong)))
+@pytest.mark.parametrize("wrong", soak.WRONG_TYPES, ids=lambda wrong: next(iter(wrong)))
 def test_wrong_type_names_the_field(server, wrong):
     refused(server.client.post(CHAT, chat(server, **wrong)), 400, next(iter(wrong)))
 
@@ -109,7 +135,7 @@ def test_unknown_fields_are_ignored_not_refused(server):
     assert response.status == 200, response.text
 
 
-@pytest.mark.parametrize("bad", soak._BAD_VALUES, ids=lambda bad: next(iter(bad)))
+@pytest.mark.parametrize("bad", soak.BAD_VALUES, ids=lambda bad: next(iter(bad)))
 def test_bad_value_names_the_parameter(server, bad):
     name = next(iter(bad))
     named = {"top_logprobs": "logprobs", "max_tokens": "max_tokens", "n": "n must"}.get(name, name)
@@ -222,6 +248,11 @@ def test_bad_tool_choice(server, fields, named):
     refused(server.client.post(CHAT, chat(server, **fields)), 400, named)
 
 
+@pytest.mark.parametrize("fields", soak.BAD_TOOL_CHOICES, ids=["unknown-name", "without-tools", "not-a-choice"])
+def test_the_soaks_bad_tool_choices(server, fields):
+    refused(server.client.post(CHAT, chat(server, **fields)), 400, "tool")
+
+
 def schema_format(schema) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "town", "schema": schema}}
 
@@ -236,6 +267,11 @@ def schema_format(schema) -> dict:
 ])
 def test_bad_response_format(server, response_format, named):
     refused(server.client.post(CHAT, chat(server, response_format=response_format)), 400, named)
+
+
+@pytest.mark.parametrize("schema", soak.BAD_SCHEMAS, ids=["unknown-type", "dangling-ref", "bad-pattern"])
+def test_the_soaks_bad_schemas(server, schema):
+    refused(server.client.post(CHAT, chat(server, response_format=schema_format(schema))), 400, "grammar error")
 
 
 @pytest.mark.parametrize(("constraint", "named"), [
@@ -270,9 +306,7 @@ def test_a_message_without_a_known_role(server, messages):
 
 
 @pytest.mark.parametrize(("fields", "named"), [
-    ({"max_tokens": None}, "max_tokens"),  # dropped: the field is required
-    ({"messages": "hello"}, "messages"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
+    *zip(soak.ANTHROPIC_BAD, ("max_tokens", "messages", "role", "tool_choice"), strict=True),  # None: left out
     ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "content"),
     ({"max_tokens": -1}, "max_tokens must be positive"),
     ({"system": 5}, "system"),
@@ -290,8 +324,15 @@ def test_anthropic_bad(server, fields, named):
     ({"tool_choice": {"type": "tool", "name": "get_weather"}}, "tools"),
     ({"tool_choice": {"type": "any"}}, "tools"),
 ])
-def test_anthropic_tool_choice_without_its_tool(server, fields, named):
+def test_anthropic_tool_choice_without_its_tool(server, fields, named):  # patches/api-anthropic-tool-choice.patch
     refused(server.client.post(MESSAGES, anthropic(server, **fields)), 400, named)
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}, {"type": "auto"}])
+def test_anthropic_tool_choice_with_its_tool_runs(server, choice):
+    tools = [{"name": "get_weather", "input_schema": soak.TOOL["function"]["parameters"]}]
+    response = server.client.post(MESSAGES, anthropic(server, tools=tools, tool_choice=choice))
+    assert response.status == 200, response.text
 
 
 # ---------------------------------------------------------------------------------------------

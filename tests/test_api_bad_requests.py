@@ -7,6 +7,7 @@ abort it. CPU harness, fake engine: not yet seen on a served GPU (docs/gotchas.m
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -30,12 +31,13 @@ def server(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def engine_stays_up(request):
-    """After every test: no request failed inside the engine client (AsyncLLM's EngineGenerateError), and
-    nothing told the server to exit (vLLM's handlers do when the engine is dead)."""
+    """After every test: no exception came out of the app, no request failed inside the engine client (AsyncLLM's
+    EngineGenerateError), and nothing told the server to exit (vLLM's handlers do when the engine is dead)."""
     yield
     if "server" in request.fixturenames:
         server = request.getfixturevalue("server")
         server.settle()
+        assert not server.client.raised, server.client.raised
         assert not server.engine.failed, server.engine.failed
         assert not server.app.state.server.should_exit
 
@@ -333,6 +335,26 @@ def test_anthropic_tool_choice_with_its_tool_runs(server, choice):
     tools = [{"name": "get_weather", "input_schema": soak.TOOL["function"]["parameters"]}]
     response = server.client.post(MESSAGES, anthropic(server, tools=tools, tool_choice=choice))
     assert response.status == 200, response.text
+
+
+# ---------------------------------------------------------------------------------------------
+# good requests that got a server error
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_repeats_the_last_message(server, stream):  # patches/api-chat-echo-stream.patch
+    messages = [{"role": "user", "content": "Where does the ferry leave?"}, {"role": "assistant", "content": "From"}]
+    body = chat(server, messages=messages, echo=True, stream=stream, add_generation_prompt=False,
+                continue_final_message=True)
+    response = server.client.post(CHAT, body)
+    assert response.status == 200, response.text
+    if stream:
+        events = [json.loads(e) for e in response.events() if e != "[DONE]"]
+        assert not [e for e in events if "error" in e], events
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    else:
+        text = response.json()["choices"][0]["message"]["content"]
+    assert text.startswith("FromThe harbour"), text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from vllm.exceptions import VLLMClientError
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.renderers import renderer_from_config
+from vllm.renderers.inputs.preprocess import extract_prompt_components
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from vllm.v1.engine.input_processor import InputProcessor
@@ -82,11 +83,12 @@ class FakeEngine(EngineClient):
             self.started.append(request_id)
             self.params[request_id] = request.params
             self.prompt_lengths[request_id] = len(request.prompt_token_ids or [])
+            text = prompt_text if prompt_text is not None else extract_prompt_components(self.model_config, prompt)[0]
             grammar_error = self._compile_grammar(request)
             if grammar_error:
                 yield self._finished_with_error(request_id, request.prompt_token_ids or [], request.params.n)
             else:
-                async for out in self._outputs(request_id, request.prompt_token_ids or [], request.params):
+                async for out in self._outputs(request_id, text, request.prompt_token_ids or [], request.params):
                     yield out
             self.finished.append(request_id)
         except (asyncio.CancelledError, GeneratorExit):
@@ -128,11 +130,14 @@ class FakeEngine(EngineClient):
                                     finish_reason="error") for i in range(n)]
         return RequestOutput(request_id, None, prompt_ids, None, outputs, finished=True)
 
-    async def _outputs(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+    async def _outputs(self, request_id: str, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams):
         length = max(1, min(params.max_tokens or len(self.canned_ids), len(self.canned_ids)))
         ids = self.canned_ids[:length]
         tokenizer = self.renderer.get_tokenizer()
         delta = params.output_kind == RequestOutputKind.DELTA
+        # as the engine core: no logprob for the first prompt token, then one row per token, in the first output
+        prompt_logprobs = None if params.prompt_logprobs is None else [
+            None, *self._logprobs(prompt_ids[1:], params.prompt_logprobs)]
         for step in range(1, length + 1):
             await asyncio.sleep(self.token_delay_s)
             final = step == length
@@ -144,7 +149,9 @@ class FakeEngine(EngineClient):
                 index=i, text=tokenizer.decode(window), token_ids=list(window), cumulative_logprob=-0.1 * step,
                 logprobs=self._logprobs(window, params.logprobs), finish_reason="length" if final else None)
                 for i in range(params.n)]
-            yield RequestOutput(request_id, None, prompt_ids, None, outputs, finished=final)
+            first_out = step == 1 or not delta
+            yield RequestOutput(request_id, prompt_text, prompt_ids, prompt_logprobs if first_out else None, outputs,
+                                finished=final)
 
     def _logprobs(self, window: list[int], top: int | None):
         if top is None:
@@ -239,9 +246,10 @@ class FakeEngine(EngineClient):
 
 @dataclass
 class Response:
-    status: int
+    status: int  # 0: nothing was sent
     headers: dict[str, str]
     chunks: list[bytes] = field(default_factory=list)
+    raised: str = ""  # an exception that came out of the app
 
     @property
     def text(self) -> str:
@@ -260,6 +268,7 @@ class AsgiClient:
 
     def __init__(self, app, loop: asyncio.AbstractEventLoop, key: str | None = None):
         self.app, self.loop, self.key = app, loop, key
+        self.raised: list[str] = []  # every exception that came out of the app, for any request
 
     def post(self, path: str, body: object = None, *, raw: bytes | None = None, key: str | None = "default",
              headers: dict[str, str] | None = None, drop_after_chunks: int | None = None,
@@ -307,7 +316,11 @@ class AsgiClient:
                 if not message.get("more_body", False):
                     gone.set()  # the response is over: what the app still listens for is the connection's end
 
-        await self.app(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        except Exception as err:  # uvicorn logs it; what the client got is what was sent before (a 500, if anything)
+            response.raised = f"{type(err).__name__}: {err}"
+            self.raised.append(f"{method} {path}: {response.raised}")
         return response
 
 

@@ -130,6 +130,19 @@ def test_a_body_that_is_not_an_object(server):
     refused(server.client.post(CHAT, [1, 2]), 400, "valid dictionary")
 
 
+@pytest.mark.parametrize("raw", [b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+                                 b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"], ids=["not-utf8", "deep"])
+def test_a_body_that_cannot_be_parsed(server, raw):
+    response = server.client.post(CHAT, raw=raw)
+    assert response.status == 400 and response.json() == {"detail": "There was an error parsing the body"}
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", ""])
+def test_a_body_that_is_not_sent_as_json(server, content_type):
+    response = server.client.post(CHAT, chat(server), headers={"content-type": content_type})
+    refused(response, 400, "Unsupported Media Type")
+
+
 def test_unknown_fields_are_ignored_not_refused(server):
     # OpenAI's own API refuses unknown fields; vLLM ignores them (with a log line), which is what an agent that
     # sends another vendor's extras needs: the request runs as if they were absent.
@@ -144,8 +157,20 @@ def test_bad_value_names_the_parameter(server, bad):
     refused(server.client.post(CHAT, chat(server, **bad)), 400, named)
 
 
-def test_nan_temperature(server):
-    refused(server.client.post(CHAT, chat(server, temperature=float("nan"))), 400, "temperature", "finite")
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"temperature": float("nan")}, "temperature must be a finite number"),
+    ({"max_tokens": 0}, "max_tokens must be at least 1"),
+    ({"top_k": -5}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_tokens": 10}, "min_tokens"),  # over max_tokens 8
+    ({"n": 16385}, "VLLM_MAX_N_SEQUENCES"),
+    ({"stop": [""]}, "stop"),
+    ({"allowed_token_ids": [10 ** 7]}, "allowed_token_ids"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+])
+def test_more_values_out_of_range(server, fields, named):
+    refused(server.client.post(CHAT, chat(server, **fields)), 400, named)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,6 +270,8 @@ def test_completion_n_and_logprobs_out_of_range(server, fields, named):
     ({"tools": [soak.TOOL], "tool_choice": {"type": "function"}}, "tool_choice.function"),
     ({"tools": [], "tool_choice": "auto"}, "`tools` must not be an empty array"),
     ({"tools": [{"type": "function"}]}, "function"),
+    ({"tools": [soak.TOOL, soak.TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "exactly one tool"),
 ])
 def test_bad_tool_choice(server, fields, named):
     refused(server.client.post(CHAT, chat(server, **fields)), 400, named)
@@ -255,6 +282,14 @@ def test_the_soaks_bad_tool_choices(server, fields):
     refused(server.client.post(CHAT, chat(server, **fields)), 400, "tool")
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "broken"}}])
+def test_a_tool_schema_no_grammar_takes(server, tool_choice):
+    # a 400, though its message ("'triggers'") names nothing the client sent (docs/gotchas.md 26)
+    tool = {"type": "function", "function": {"name": "broken", "parameters": {"type": "objekt"}}}
+    refused(server.client.post(CHAT, chat(server, tools=[tool], tool_choice=tool_choice)), 400,
+            "Invalid grammar specification")
+
+
 def schema_format(schema) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "town", "schema": schema}}
 
@@ -263,6 +298,7 @@ def schema_format(schema) -> dict:
     (schema_format({"type": "objekt"}), "objekt"),
     (schema_format({"$ref": "#/definitions/nowhere"}), "does not exist"),
     (schema_format({"type": "string", "pattern": "(["}), "regex"),
+    (schema_format({"type": "string", "minLength": 5, "maxLength": 2}), "unsatisfiable"),
     (schema_format("a string"), "response_format"),
     ({"type": "json_schema"}, "'json_schema' field must be provided"),
     ({"type": "yaml"}, "response_format"),
@@ -281,6 +317,8 @@ def test_the_soaks_bad_schemas(server, schema):
     ({"grammar": "root ::= ("}, "grammar"),
     ({"choice": []}, "cannot be an empty list"),
     ({"regex": "a", "choice": ["a"]}, "one kind of constraints"),
+    ({"json": "{not json"}, "Invalid JSON grammar"),
+    ({"structural_tag": "garbage"}, "structural_tag"),
 ])
 def test_bad_structured_outputs(server, constraint, named):
     refused(server.client.post(CHAT, chat(server, structured_outputs=constraint)), 400, named)
@@ -301,6 +339,37 @@ def test_empty_messages(server, path):
 @pytest.mark.parametrize("messages", [[{"role": "robot", "content": "x"}], [{"content": "x"}]])
 def test_a_message_without_a_known_role(server, messages):
     refused(server.client.post(CHAT, chat(server, messages=messages)), 400, "role")
+
+
+USER = {"role": "user", "content": "x"}
+
+
+@pytest.mark.parametrize(("messages", "named"), [
+    ([USER, {"role": "system", "content": "late"}], "system message is only allowed first"),
+    ([{"role": "user", "content": None}], "content"),
+    ([{"role": "user", "content": [{"text": "no type"}]}], "type"),
+    ([USER, {"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}]}],
+     "Expecting property name"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}],
+     "At most 0 image(s)"),
+    ([{"role": "user", "content": "\ud800"}], "TextEncodeInput"),  # a lone surrogate: the tokenizer's words
+])
+def test_bad_messages(server, messages, named):
+    refused(server.client.post(CHAT, chat(server, messages=messages)), 400, named)
+
+
+@pytest.mark.parametrize(("path", "fields"), [
+    (COMPLETIONS, {"echo": True, "logprobs": 2}),
+    (COMPLETIONS, {"prompt": ["a", "b"], "n": 2, "temperature": 1}),
+    (COMPLETIONS, {"use_beam_search": True, "n": 2}),
+    (CHAT, {"n": 2, "temperature": 1, "stream": True, "tools": [soak.TOOL]}),
+    (CHAT, {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+])
+def test_unusual_good_requests_are_answered(server, path, fields):
+    response = server.client.post(path, (completion if path == COMPLETIONS else chat)(server, **fields))
+    assert response.status == 200, response.text
+    assert not [e for e in response.events() if '"error"' in e]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,13 +32,15 @@ def server(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def engine_stays_up(request):
     """After every test: no exception came out of the app, no request failed inside the engine client (AsyncLLM's
-    EngineGenerateError), and nothing told the server to exit (vLLM's handlers do when the engine is dead)."""
+    EngineGenerateError) or at the engine core's grammar compile (a request that passed the API's checks and
+    fails there is a 500), and nothing told the server to exit (vLLM's handlers do when the engine is dead)."""
     yield
     if "server" in request.fixturenames:
         server = request.getfixturevalue("server")
         server.settle()
         assert not server.client.raised, server.client.raised
         assert not server.engine.failed, server.engine.failed
+        assert not server.engine.grammar_errors, server.engine.grammar_errors
         assert not server.app.state.server.should_exit
 
 
@@ -85,6 +87,22 @@ def test_good_requests_are_answered(server, path, body):
 def test_a_good_stream_ends_with_done(server):
     response = server.client.post(CHAT, chat(server, stream=True))
     assert response.status == 200 and response.events()[-1] == "[DONE]"
+
+
+def test_a_grammar_the_engine_core_cannot_compile_is_a_500(tmp_path_factory, monkeypatch):
+    """The harness sees what the engine core would fail: a schema that slipped past the API's checks finishes its
+    request with an error, and vLLM's handler answers 500 (on a server of its own: the shared one stays clean)."""
+    from vllm.sampling_params import SamplingParams
+
+    def unchecked(params, *args, **kwargs):  # what the API's check leaves behind, without the check
+        params.structured_outputs._backend = "xgrammar"
+
+    monkeypatch.setattr(SamplingParams, "_validate_structured_outputs", unchecked)
+    broken = fake_engine_api.start(make_tiny(tmp_path_factory), "--served-model-name", "m")
+    response = broken.client.post(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                         "max_tokens": 4, "structured_outputs": {"json": {"type": "objekt"}}})
+    assert response.status == 500 and "Internal server error" in response.text, response.text
+    assert len(broken.engine.grammar_errors) == 1 and not broken.engine.failed
 
 
 # ---------------------------------------------------------------------------------------------

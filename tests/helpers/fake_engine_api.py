@@ -6,13 +6,18 @@ handlers, the request models, the serving classes (chat, completion, Anthropic m
 tokenizer and the renderer are vLLM's. Only the engine is fake: `FakeEngine` implements vllm.engine.protocol's
 EngineClient as AsyncLLM does in the API server process up to the engine core: `generate` runs the real
 InputProcessor (the prompt-length, sampling and structured-output checks AsyncLLM runs before it hands a request
-to the engine core), then yields canned RequestOutputs one token at a time instead of the engine core's, and
-handles a closed or cancelled generator, a client error and any other error as AsyncLLM.generate does (abort,
-re-raise, EngineGenerateError). Every abort is recorded.
+to the engine core), compiles a constrained request's grammar with vLLM's StructuredOutputManager as the engine
+core would (a failure finishes that request with finish_reason "error", as the scheduler does), then yields canned
+RequestOutputs one token at a time instead of the engine core's, and handles a closed or cancelled generator, a
+client error and any other error as AsyncLLM.generate does (abort, re-raise, EngineGenerateError). Every abort,
+failure and grammar error is recorded. app.state.server is a stand-in for uvicorn's server, whose should_exit
+vLLM's handlers set when the engine is dead.
 
 `AsgiClient` sends a request straight to the ASGI app as uvicorn would (ASGI spec 2.3, so a StreamingResponse
-listens for the disconnect), and can drop the connection after N body chunks of a stream: that is a client that
-disconnects mid-stream. CPU harness, fake engine: nothing here has run against a served GPU.
+listens for the disconnect), records any exception that comes out of the app, and can leave early: after N body
+chunks of a stream (a client that disconnects mid-stream) or after some seconds (before a non-streamed answer).
+Two packages a GPU install has and the CPU venv lacks are stood in for (`_stand_ins`). CPU harness, fake engine:
+nothing here has run against a served GPU.
 """
 
 from __future__ import annotations
@@ -117,9 +122,8 @@ class FakeEngine(EngineClient):
             self._grammars._use_async_grammar_compilation = False  # compiled in this call, not in a thread
         core_request = Request.from_engine_core_request(request, block_hasher=None)
         self._grammars.grammar_init(core_request)
-        grammar = core_request.structured_output_request.grammar
-        error = grammar.exception() if hasattr(grammar, "exception") else None
-        if error is None:
+        error = core_request.structured_output_request.grammar  # the compiled grammar, or the compile's exception
+        if not isinstance(error, Exception):
             return ""
         self.grammar_errors.append((request.request_id, f"{type(error).__name__}: {error}"))
         return self.grammar_errors[-1][1]

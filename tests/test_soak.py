@@ -51,7 +51,7 @@ def fake(tmp_path):
 
 
 def options(**overrides) -> soak.Options:
-    base = dict(n=80, seed=3, concurrency=(1, 4, 8), max_tokens=16, max_seconds=60, request_timeout_s=20,
+    base = dict(n=80, seed=0, concurrency=(1, 4, 8), max_tokens=16, max_seconds=60, request_timeout_s=20,
                 settle_s=3, health_every_s=0.1)
     return soak.Options(**{**base, **overrides})
 
@@ -62,7 +62,7 @@ def run(server: FakeServer, key: str | None = "k", **overrides) -> dict:
 
 def test_a_clean_server_passes_every_criterion(fake):
     server = fake("--key", "k")
-    result = run(server, n=120, seed=1)  # 120 draws of seed 1 reach every kind
+    result = run(server, n=120, seed=0)  # 120 draws of seed 0 reach every kind
     assert result["passed"], json.dumps(result["criteria"], indent=1)
     assert result["pid"] == server.proc.pid  # found from the listening socket
     assert result["api_key_set"] and result["max_model_len"] == 512
@@ -71,6 +71,8 @@ def test_a_clean_server_passes_every_criterion(fake):
     # the bad kinds got their 4xx, the good ones 200, a cancel either
     assert set(kinds["wrong_key"]["statuses"]) == {"401"} and set(kinds["over_context"]["statuses"]) == {"400"}
     assert set(kinds["malformed_json"]["statuses"]) == {"400"} and set(kinds["chat_stream"]["statuses"]) == {"200"}
+    for bad in ("max_tokens_over", "bad_tool_choice", "bad_schema", "empty_messages", "anthropic_bad"):
+        assert set(kinds[bad]["statuses"]) == {"400"}, (bad, kinds[bad])
     assert set(kinds["cancel"]["statuses"]) <= {"200", "cancelled"}
     assert all(k["p50_s"] <= k["p99_s"] for k in kinds.values())
     assert result["seats"] == {"before": 0, "after": 0} and result["kv_blocks"]["num_gpu_blocks"] == 64
@@ -144,6 +146,21 @@ def test_the_plan_is_seeded_bounded_and_mixed():
     assert over and all(len(r.body["prompt"]) > FACTS.max_model_len for r in over)
 
 
+def test_the_bad_kinds_send_what_they_are_named_for():
+    requests = [r for w in soak.build_plan(FACTS, 400, 2, (4,), 16) for r in w.requests]
+    for r in (r for r in requests if r.kind == "bad_tool_choice"):
+        assert {k: r.body[k] for k in ("tool_choice", "tools") if k in r.body} in soak.BAD_TOOL_CHOICES
+    assert {json.dumps(r.body["response_format"]["json_schema"]["schema"]) for r in requests
+            if r.kind == "bad_schema"} == {json.dumps(s) for s in soak.BAD_SCHEMAS}
+    empty = [r for r in requests if r.kind == "empty_messages"]
+    assert {r.path for r in empty} == {"/v1/chat/completions", "/v1/messages"} and all(
+        r.body["messages"] == [] for r in empty)
+    over = [r for r in requests if r.kind == "max_tokens_over"]
+    assert over and all(r.body["max_tokens"] > FACTS.max_model_len for r in over)
+    assert any(r.body.get("tool_choice") == {"type": "any"} and "tools" not in r.body
+               for r in requests if r.kind == "anthropic_bad")
+
+
 def test_auth_kinds_need_a_key_and_weights_pick_kinds():
     unkeyed = soak.ServerFacts("fake", 512, has_key=False)
     kinds = {r.kind for w in soak.build_plan(unkeyed, 400, 1, (4,), 8) for r in w.requests}
@@ -199,18 +216,13 @@ def test_answers_are_checked_where_any_weights_must_get_them_right():
         return json.dumps({"choices": [{"message": message, "finish_reason": finish}]})
 
     call = {"tool_calls": [{"function": {"name": "get_weather", "arguments": '{"city": "Aarhus"}'}}]}
-    assert soak.answer_problem(forced, chat(call), 512) == ""
+    assert soak.answer_problem(forced, chat(call)) == ""
     wrong = {"tool_calls": [{"function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
-    assert "forced call" in soak.answer_problem(forced, chat(wrong), 512)
-    assert soak.answer_problem(forced, chat({"tool_calls": []}, "length"), 512) == ""  # cut: nothing to check
+    assert "forced call" in soak.answer_problem(forced, chat(wrong))
+    assert soak.answer_problem(forced, chat({"tool_calls": []}, "length")) == ""  # cut: nothing to check
     structured = soak.Request(0, "structured", "/v1/chat/completions", body={})
-    assert "outside the schema" in soak.answer_problem(structured, chat({"content": '{"city": "Odense"}'}), 512)
-    assert "unreadable" in soak.answer_problem(structured, chat({"content": "not json"}), 512)
-    clamped = soak.Request(0, "max_tokens_over", "/v1/completions", body={})
-    usage = {"choices": [{"text": "x", "finish_reason": "length"}], "usage": {"prompt_tokens": 500,
-                                                                                 "completion_tokens": 20}}
-    assert "exceed max_model_len" in soak.answer_problem(clamped, json.dumps(usage), 512)
-    assert soak.answer_problem(clamped, json.dumps(usage), 520) == ""
+    assert "outside the schema" in soak.answer_problem(structured, chat({"content": '{"city": "Odense"}'}))
+    assert "unreadable" in soak.answer_problem(structured, chat({"content": "not json"}))
 
 
 def test_the_gpu_visit_runner_bounds_the_soak_by_its_budget(fake, tmp_path):

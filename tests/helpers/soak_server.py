@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -47,7 +48,9 @@ def _error(message: str, status: int = 400) -> tuple[int, dict]:
 
 
 def validate(path: str, body: object) -> tuple[int, dict] | None:
-    """The 400s vLLM 0.28.0 gives the soak's bad requests (pydantic types, SamplingParams ranges, prompt length)."""
+    """The 400s vLLM 0.28.0 gives the soak's bad requests (pydantic types, SamplingParams ranges, the prompt and
+    max_tokens against the context, tool_choice against tools, schemas a grammar cannot be built from, an empty
+    conversation), as tests/test_api_bad_requests.py sees them on vLLM's own API server."""
     if not isinstance(body, dict):
         return _error("body is not an object")
     for name, kind in (("max_tokens", int), ("temperature", (int, float)), ("stream", bool), ("tools", list),
@@ -60,26 +63,66 @@ def validate(path: str, body: object) -> tuple[int, dict] | None:
         if not isinstance(body.get("messages"), list) or any(m.get("role") not in ("user", "assistant")
                                                              for m in body["messages"]):
             return _error("messages: invalid")
+        if isinstance(body.get("tool_choice"), dict) and body["tool_choice"].get("type") in ("any", "tool") and \
+                not body.get("tools"):
+            return _error("tool_choice: a tool call was asked for without tools")
     elif path == "/v1/chat/completions":
         messages = body.get("messages")
         if not isinstance(messages, list) or any(not isinstance(m.get("content"), str) for m in messages):
             return _error("messages: invalid")
+        problem = _tool_choice_problem(body) or _schema_problem(body)
+        if problem:
+            return _error(problem)
+    if body.get("messages") == []:
+        return _error("Cannot apply chat template to an empty conversation")
     if not 0 <= body.get("temperature", 1) <= 2 or not 0 < body.get("top_p", 1) <= 1:
         return _error("temperature or top_p out of range")
     if not -2 <= body.get("presence_penalty", 0) <= 2 or body.get("top_logprobs", 0) > 20:
         return _error("presence_penalty or top_logprobs out of range")
     if body.get("max_tokens", 1) < 1 or body.get("n", 1) < 1:
         return _error("max_tokens and n must be at least 1")
+    if body.get("max_tokens", 0) > MAX_MODEL_LEN:
+        return _error(f"max_tokens={body['max_tokens']} cannot be greater than max_model_len={MAX_MODEL_LEN}")
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) >= MAX_MODEL_LEN:
-        return _error(f"The decoder prompt (length {len(prompt)}) is longer than the maximum model length")
+    if isinstance(prompt, list) and len(prompt) + body.get("max_tokens", 16) > MAX_MODEL_LEN:
+        return _error(f"This model's maximum context length is {MAX_MODEL_LEN} tokens; your prompt contains "
+                      f"{len(prompt)} input tokens")
     return None
 
 
+def _tool_choice_problem(body: dict) -> str:
+    choice, names = body.get("tool_choice"), [t["function"]["name"] for t in body.get("tools") or []]
+    if choice is None or choice == "none":
+        return ""
+    if not names:
+        return "When using `tool_choice`, `tools` must be set."
+    if isinstance(choice, dict):
+        return "" if choice.get("function", {}).get("name") in names else "tool_choice names no tool of `tools`"
+    return "" if choice in ("auto", "required") else f"Invalid value for `tool_choice`: {choice}"
+
+
+def _schema_problem(body: dict) -> str:
+    schema = (body.get("response_format") or {}).get("json_schema", {}).get("schema")
+    if not isinstance(schema, dict):
+        return ""
+    if schema.get("type") not in (None, "object", "string", "array", "number", "integer", "boolean", "null"):
+        return f"Grammar error: Invalid type: {schema['type']}"
+    target = schema
+    for part in schema.get("$ref", "#").removeprefix("#").strip("/").split("/"):
+        target = target.get(part) if part and isinstance(target, dict) else target
+    if target is None:
+        return f"Grammar error: Pointer {schema['$ref']} does not exist"
+    try:
+        re.compile(schema.get("pattern", ""))
+    except re.error as err:
+        return f"Grammar error: regex parse error: {err}"
+    return ""
+
+
 def answer(path: str, body: dict) -> tuple[dict, int]:
-    """A non-streamed answer and its token count (max_tokens clamped to the context, as vLLM does)."""
+    """A non-streamed answer and its token count (validate has refused a max_tokens that does not fit)."""
     prompt_tokens = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 8
-    tokens = min(body.get("max_tokens", 16), MAX_MODEL_LEN - prompt_tokens)
+    tokens = body.get("max_tokens", 16)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens}
     if path == "/v1/messages":
         return {"type": "message", "role": "assistant", "content": [{"type": "text", "text": "x " * tokens}],

@@ -64,7 +64,7 @@ class PerLayerContextKV:
         """[rows, layers x 2 x kv_size]: per layer its k then v columns, as the fused F.linear lays them out."""
         width = 2 * self.kv_size
         out = normed_context_states.new_empty(normed_context_states.shape[0], len(self.projections) * width)
-        for i, (projection, q_size) in enumerate(zip(self.projections, self.q_sizes)):
+        for i, (projection, q_size) in enumerate(zip(self.projections, self.q_sizes, strict=True)):
             qkv, _ = projection(normed_context_states)  # bias, if any, added by the layer as in its forward
             out[:, i * width : (i + 1) * width].copy_(qkv[:, q_size : q_size + width])
         return out

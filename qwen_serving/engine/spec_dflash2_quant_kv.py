@@ -5,8 +5,8 @@ layer in one GEMM: `_build_context_kv_buffers` stacks `qkv_proj.weight[q_size:]`
 [layers x 2 x kv_size, hidden] weight at the end of load_weights, and `_project_context_kv` multiplies the
 normed context rows by it with F.linear. A quantized qkv_proj has no dense `.weight` (a W4A16 one holds
 `weight_packed` / `weight_scale`, repacked for Marlin after loading), so the load fails with
-`AttributeError: 'QKVParallelLinear' object has no attribute 'weight'`; a scheme whose packed tensor is named
-`weight` would be multiplied raw, scales dropped.
+`AttributeError: 'QKVParallelLinear' object has no attribute 'weight'` (the 36-matrix drafter of
+drafter/quantize.py --dflash2, the spec's W4A16 layout).
 
 patches/dflash2-quantized-kv.patch calls `attach` where the fused weight is built. When any layer's qkv_proj
 has a quant method other than vLLM's UnquantizedLinearMethod, it returns a `PerLayerContextKV`, no fused weight
@@ -24,16 +24,16 @@ Why this and not the other fix (dequantize the k/v rows once at load into a fuse
   only until process_weights_after_loading repacks for Marlin: the lazy rebuild in
   precompute_and_store_context_kv (the "buffer initialization was skipped" path) would read repacked codes.
 - memory: no buffer. The dequantized fused weight at the drafter's shapes (qwen_serving/model.py: 5 layers,
-  8 KV heads x 128, hidden 5,120) is 5 x 2 x 8 x 128 x 5,120 x 2 bytes = 104,857,600 bytes (100 MiB) per GPU
+  8 KV heads x 128, the target's hidden 5,120, which the drafter shares) is 5 x 2 x 8 x 128 x 5,120 x 2 bytes = 104,857,600 bytes (100 MiB) per GPU
   at TP 1, beside the int4 k/v the layers keep for the query block; on a 24 GB card that is KV cache.
 - the cost: each layer's GEMM computes its q columns too and throws them away. With the scripted `full`
   drafter's 32 query heads x 128 (docs/scripted-dflash2.md; the shipped drafter's are not known here) that is
   4,096 of each layer's 6,144 output columns: 2/3 of the multiply-adds, 3x what the k/v need (5 x 5,120 x 4,096
   = 105M wasted multiply-adds per context row). The weights read per precompute are the int4 q/k/v,
   5 x 6,144 x 5,120 / 2 = 78.6 MB plus 2.5 MB of scales, against 104.9 MB for the fused bf16 k/v; and 5 GEMM
-  launches instead of 1. Each layer's [rows, 6,144] output lives until its k/v are copied out (profiled: vLLM's
-  memory profile runs the precompute at the full token budget). Computed from the shapes, not measured: not run
-  on a GPU yet.
+  launches instead of 1. Each layer's [rows, 6,144] output lives until its k/v are copied out (counted: the
+  dummy run of vLLM's memory profiling calls the precompute too). Computed from the shapes, not measured: not
+  run on a GPU yet.
 """
 
 from __future__ import annotations

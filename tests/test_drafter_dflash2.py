@@ -305,17 +305,19 @@ def _relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 
 
 def test_int4_context_kv_is_the_unquantized_path_on_the_dequantized_weights(target, drafter, rtn36, tmp_path):
-    """The patched precompute of the 36-matrix drafter (each layer's int4 qkv_proj, through the CPU stand-in for
-    Marlin's GEMM) caches the K/V that stock vLLM's fused bf16-path GEMM computes from the dequantized q/k/v.
-    Both in float32, so only summation order differs; on a GPU in bf16 the difference is bf16 rounding (not run)."""
+    """The patched precompute of the 36-matrix drafter (each layer's int4 qkv_proj through vLLM's quant method
+    down to MarlinLinearKernel.apply_weights, whose CUDA GEMM a CPU stand-in replaces) caches the K/V that stock
+    vLLM's fused bf16-path GEMM computes from the dequantized q/k/v. Both in float32, so only summation order
+    differs; on a GPU in bf16 the difference is bf16 rounding (not run)."""
     states_path, reference = tmp_path / "states.safetensors", tmp_path / "dequantized"
     states = _states(drafter, states_path)
     _dequantized_drafter(drafter, rtn36[0], reference)
     quantized = _context_kv(target, rtn36[0], states_path, "patched", "--float32")
     unquantized = _context_kv(target, reference, states_path, "pristine", "--float32")
-    assert int(quantized["int4_linears"]) == 21 and "fused_kv_weight" not in quantized  # the per-layer path ran
-    assert int(unquantized["int4_linears"]) == 0 and "fused_kv_weight" in unquantized  # vLLM's fused GEMM ran
     layers = len(unquantized["k_norm_weights"])
+    # the per-layer path: one Marlin GEMM per layer's qkv_proj, in layer order, and no fused weight
+    assert quantized["marlin_calls"].tolist() == list(range(layers)) and "fused_kv_weight" not in quantized
+    assert unquantized["marlin_calls"].numel() == 0 and "fused_kv_weight" in unquantized  # vLLM's fused GEMM
     for i in range(layers):
         for kind in ("k", "v"):
             assert _relative_error(quantized[f"{kind}.{i}"], unquantized[f"{kind}.{i}"]) < 1e-5, (kind, i)
@@ -333,7 +335,7 @@ def test_the_bf16_drafter_s_buffers_and_context_kv_are_unchanged_by_the_patch(ta
     _states(drafter, tmp_path / "states.safetensors")
     pristine = _context_kv(target, drafter, tmp_path / "states.safetensors", "pristine")
     patched = _context_kv(target, drafter, tmp_path / "states.safetensors", "patched")
-    assert pristine["fused_kv_weight"].dtype == torch.bfloat16 and int(patched["int4_linears"]) == 0
+    assert pristine["fused_kv_weight"].dtype == torch.bfloat16 and patched["marlin_calls"].numel() == 0
     assert sorted(pristine) == sorted(patched)
     for name in pristine:
         assert torch.equal(pristine[name], patched[name]), name

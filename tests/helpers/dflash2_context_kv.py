@@ -8,12 +8,14 @@ drafter as tests/helpers/dflash2_vllm_load.py does (the engine config of `--spec
 _build_fused_kv_buffers), at the drafter's dtype (bf16) or, with --float32, the engine's dtype float32. Then
 precompute_and_store_context_kv runs over STATES' `states` [N, H] (the rows after fc) at positions 0..N-1.
 CPU stand-ins, having no CPU kernel in this build: the fused rms_norm / rotary ops and the Attention layer
-(tests/helpers/scripted_dflash2_vllm.py; its impl keeps the K/V the precompute writes), and, for an int4 linear,
-Marlin's GEMM: vLLM's loaded weight_packed / weight_scale dequantized in float32, then F.linear
-(tests/helpers/scripted_vllm_forward.py's DequantizedInt4).
+(tests/helpers/scripted_dflash2_vllm.py; its impl keeps the K/V the precompute writes), and the body of
+MarlinLinearKernel.apply_weights, the CUDA GEMM an int4 linear's quant method ends in (CompressedTensorsLinearMethod
+-> CompressedTensorsWNA16 -> the kernel, all vLLM's): vLLM's loaded weight_packed / weight_scale dequantized in
+float32, then F.linear (tests/helpers/scripted_vllm_forward.py's DequantizedInt4). Marlin's repacking
+(process_weights_after_loading) is not run: its ops are CUDA-only too, and the stand-in reads the loaded layout.
 OUT: `k.{i}` / `v.{i}` [N, kv_heads, head_dim] float32 per layer, as written to the cache; the fused buffers the
-load built (`fused_kv_weight`, `fused_kv_bias` where they exist, `k_norm_weights`); `int4_linears` (how many
-linears ran through the stand-in).
+load built (`fused_kv_weight`, `fused_kv_bias` where they exist, `k_norm_weights`); `marlin_calls`, the layer
+index of every call that reached Marlin's apply_weights during the precompute.
 """
 
 import sys
@@ -39,12 +41,21 @@ from tests.helpers.scripted_dflash2_vllm import ContextAttention, rms_norm, rota
 from tests.helpers.scripted_vllm_forward import DequantizedInt4  # noqa: E402
 from tests.helpers.vllm_cpu_models import start_cpu_world  # noqa: E402
 
+MARLIN_CALLS: list[str] = []
+
+
+def marlin_on_cpu(kernel, layer, x, bias=None):
+    """MarlinLinearKernel.apply_weights on the CPU: the layer's int4 weights dequantized, then F.linear."""
+    MARLIN_CALLS.append(layer.prefix)
+    return torch.nn.functional.linear(x, DequantizedInt4(layer).weight.to(x.dtype), bias)
+
 
 def main() -> None:
     target, drafter, states_path, out_path = (Path(a) for a in sys.argv[1:5])
     float32 = "--float32" in sys.argv[5:]
     states = load_file(str(states_path))["states"]
     wna16.choose_mp_linear_kernel = lambda config: wna16.MarlinLinearKernel
+    wna16.MarlinLinearKernel.apply_weights = marlin_on_cpu
     config = EngineArgs(model=str(target), language_model_only=True, max_model_len=512, enforce_eager=True,
                         dtype="float32" if float32 else "auto",
                         speculative_config={"method": "dflash", "model": str(drafter),
@@ -63,11 +74,6 @@ def main() -> None:
             buffer = getattr(inner, f"_{name}", None)
             if buffer is not None:
                 out[name] = buffer.clone()
-        int4_linears = 0
-        for module in model.modules():
-            if type(getattr(module, "quant_method", None)).__name__ == "CompressedTensorsLinearMethod":
-                module.quant_method = DequantizedInt4(module)
-                int4_linears += 1
         for layer in model.model.layers:
             attn = layer.self_attn
             attn.attn = ContextAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling)
@@ -75,7 +81,8 @@ def main() -> None:
         n = len(states)
         with torch.no_grad(), set_forward_context(None, config):
             model.precompute_and_store_context_kv(states.to(draft_config.dtype), torch.arange(n), torch.arange(n))
-    out["int4_linears"] = torch.tensor(int4_linears)
+    layer_of = {layer.self_attn.qkv_proj.prefix: i for i, layer in enumerate(inner.layers)}
+    out["marlin_calls"] = torch.tensor([layer_of.get(prefix, -1) for prefix in MARLIN_CALLS], dtype=torch.int64)
     for i, layer in enumerate(inner.layers):
         out[f"k.{i}"], out[f"v.{i}"] = layer.self_attn.attn.impl.context
     save_file({k: v.contiguous() for k, v in out.items()}, str(out_path))

@@ -1,6 +1,8 @@
 """drafter/ for the DFlash2 drafter: the float32 forward against vLLM's, the capture's Hessians, resume, the
-W4A16 writer (prepare_status, vLLM's CPU load, the q/k/v layout vLLM 0.28.0 refuses), clear errors, and GPTQ
-against round-to-nearest when the quant venv exists.
+W4A16 writer (prepare_status, vLLM's CPU load, both layouts), int4 q/k/v before and after
+patches/dflash2-quantized-kv.patch (stock vLLM 0.28.0 refuses them; patched, the context-KV precompute equals the
+unquantized path on the dequantized weights, and a bf16 drafter's is unchanged), clear errors, and GPTQ against
+round-to-nearest when the quant venv exists.
 
 The drafter is the scripted tiny one with `--live-body` (random o_proj / down_proj and norm weights), so
 every layer acts on the residual stream and every norm weight matters to the comparison with vLLM.
@@ -24,6 +26,7 @@ from qwen_serving.checkpoint.dflash2_reference import Dflash2Forward
 from qwen_serving.checkpoint.drafter_capture import Stats
 from qwen_serving.checkpoint.model_dir import ModelDir
 from qwen_serving.checkpoint.scripted_reference import Reference
+from tests.helpers.engine_trees import tree
 from tests.helpers.tiny_checkpoint import REPO, tree_state
 
 PROMPTS, TOKENS, EVERY, ANCHOR_EVERY = 6, 24, 3, 4
@@ -174,56 +177,168 @@ def _quantize(drafter: Path, capture: Path, out: Path, *extra: str, python: str 
                            "--out", str(out), *extra], cwd=REPO, capture_output=True, text=True, timeout=900)
 
 
-def _vllm_load(target: Path, drafter: Path) -> dict:
-    report = drafter.parent / f"{drafter.name}-load.json"
+def _tree_env(name: str) -> dict[str, str]:
+    """ENV with one vLLM tree first on the path: "pristine" (the venv's copy) or "patched" (tests/run.sh's)."""
+    return {**ENV, "PYTHONPATH": os.pathsep.join([str(tree(name).parent), str(REPO)])}
+
+
+def _vllm_load(target: Path, drafter: Path, vllm: str = "patched") -> dict:
+    report = drafter.parent / f"{drafter.name}-{vllm}-load.json"
     proc = subprocess.run([sys.executable, "tests/helpers/dflash2_vllm_load.py", str(target), str(drafter), str(report)],
-                          env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
+                          env=_tree_env(vllm), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(report.read_text())
 
 
-def _check_drafter(target: Path, drafter: Path, quantized: Path, method: str, before: dict[str, str]) -> list[dict]:
+def _context_kv(target: Path, drafter: Path, states: Path, vllm: str, *extra: str) -> dict[str, torch.Tensor]:
+    """tests/helpers/dflash2_context_kv.py: the K/V vLLM's precompute caches for `states`, and its buffers."""
+    out = states.parent / f"{drafter.name}-{vllm}{''.join(extra)}.safetensors"
+    proc = subprocess.run([sys.executable, "tests/helpers/dflash2_context_kv.py", str(target), str(drafter),
+                           str(states), str(out), *extra], env=_tree_env(vllm), cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return load_file(str(out))
+
+
+def _check_drafter(target: Path, drafter: Path, quantized: Path, method: str, before: dict[str, str],
+                   bf16_qkv: bool = False, report: dict | None = None) -> list[dict]:
+    """prepare_status passes, the record says what became int4, and the patched vLLM loads every linear as
+    written (int4 ones as CompressedTensorsWNA16, bytes equal to the checkpoint's)."""
     assert tree_state(drafter) == before  # the bf16 drafter is left as it was
     assert prepare_status.status(quantized, deep=True) == 0
     model = ModelDir.open(quantized, require_qwen35=False)
     record = model.manifest()["steps"][dflash2_format.STEP]
+    qkv = [m for m in dflash2_format.quantizable_modules(model.config) if dflash2_format.is_qkv(m)]
     assert record["script"] == "drafter/quantize.py" and record["method"] == method
-    assert len(record["modules"]) == 21 and all(dflash2_format.is_qkv(m) for m in record["kept_bf16"])
+    assert len(record["modules"]) == (21 if bf16_qkv else 36) and record["kept_bf16"] == (qkv if bf16_qkv else [])
     assert not [p for p in quantized.parent.iterdir() if p.name.startswith(f".{quantized.name}.")
                 and not p.name.endswith(".lock")]  # nothing half-written beside it
-    report = _vllm_load(target, quantized)
+    report = report or _vllm_load(target, quantized)
     assert report["loaded"], report
     layers = report["layers"]
     assert len(layers) == 1 + 4 * 5 and all(layer["bytes_equal"] for layer in layers.values()), layers
     for name, layer in layers.items():
-        expected = None if name.endswith("qkv_proj") else 4
+        expected = None if bf16_qkv and name.endswith("qkv_proj") else 4
         assert layer["bits"] == expected and (layer["scheme"] == "CompressedTensorsWNA16") == bool(expected), name
     return record["held_out_error"]
 
 
-def test_the_rtn_drafter_passes_prepare_status_and_loads_in_vllm(target, drafter, captured, tmp_path):
+@pytest.fixture(scope="module")
+def rtn36(drafter, captured, tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """The default layout, all 36 matrices int4 (round-to-nearest: any venv), and the bf16 drafter's state before."""
     before = tree_state(drafter)
-    out = tmp_path / "dflash2-W4A16"
+    out = tmp_path_factory.mktemp("rtn36") / "dflash2-W4A16"
     proc = _quantize(drafter, captured[0], out, "--method", "rtn")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _check_drafter(target, drafter, out, "rtn", before)
+    return out, before
+
+
+@pytest.fixture(scope="module")
+def patched_load(target, rtn36) -> dict:
+    return _vllm_load(target, rtn36[0], "patched")
+
+
+def test_the_rtn_drafter_passes_prepare_status_and_loads_in_vllm(target, drafter, captured, rtn36, patched_load,
+                                                                 capsys):
+    out, before = rtn36
+    capsys.readouterr()
+    _check_drafter(target, drafter, out, "rtn", before, report=patched_load)
+    assert "dflash2-quantized-kv.patch" in capsys.readouterr().out  # the int4 q/k/v line names what loads them
     again = _quantize(drafter, captured[0], out, "--method", "rtn")
     assert again.returncode == 2 and "exists" in again.stderr
 
 
-def test_int4_qkv_is_the_layout_vllm_0_28_cannot_load(target, drafter, captured, tmp_path, capsys):
-    """All 36 matrices int4: prepare_status fails it with the reason, and vLLM's load does fail there
-    (upstream vllm#51581). Should a vLLM fix land, this test says the default may quantize q/k/v."""
-    out = tmp_path / "dflash2-W4A16-qkv"
-    proc = _quantize(drafter, captured[0], out, "--method", "rtn", "--int4-qkv")
+def test_int4_qkv_loads_in_the_patched_vllm_only(target, rtn36, patched_load):
+    """Before / after dflash2-quantized-kv.patch: stock vLLM 0.28.0 fails the 36-matrix drafter at the end of
+    load_weights (upstream vllm#51581), the patched tree loads it with every qkv_proj int4."""
+    pristine = _vllm_load(target, rtn36[0], "pristine")
+    assert not pristine["loaded"], pristine
+    assert "AttributeError" in pristine["error"] and "'weight'" in pristine["error"], pristine
+    assert "_build_context_kv_buffers" in pristine["traceback"], pristine
+    assert patched_load["loaded"], patched_load
+    qkv = {name: layer for name, layer in patched_load["layers"].items() if name.endswith("qkv_proj")}
+    assert len(qkv) == 5 and all(layer["bits"] == 4 and layer["bytes_equal"] for layer in qkv.values()), qkv
+
+
+def test_bf16_qkv_keeps_q_k_v_bf16_and_loads_in_stock_vllm(target, drafter, captured, tmp_path):
+    before = tree_state(drafter)
+    out = tmp_path / "dflash2-W4A16-bf16qkv"
+    proc = _quantize(drafter, captured[0], out, "--method", "rtn", "--bf16-qkv")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "vllm#51581" in proc.stdout + proc.stderr
-    assert len(ModelDir.open(out, require_qwen35=False).manifest()["steps"][dflash2_format.STEP]["modules"]) == 36
-    capsys.readouterr()
-    assert prepare_status.status(out) == 1
-    assert "vllm#51581" in capsys.readouterr().out
-    report = _vllm_load(target, out)
-    assert not report["loaded"] and "AttributeError" in report["error"] and "weight" in report["error"], report
+    _check_drafter(target, drafter, out, "rtn", before, bf16_qkv=True)
+    assert _vllm_load(target, out, "pristine")["loaded"]  # the layout a vLLM without the patch takes
+
+
+def _states(drafter: Path, path: Path) -> torch.Tensor:
+    """Context rows as the precompute receives them (after fc), saved for the helper."""
+    hidden = json.loads((drafter / "config.json").read_text())["hidden_size"]
+    states = torch.randn(20, hidden, generator=torch.Generator().manual_seed(0))
+    save_file({"states": states}, str(path))
+    return states
+
+
+def _dequantized_drafter(drafter: Path, quantized: Path, out: Path) -> None:
+    """The bf16 drafter with every q/k/v weight replaced by the int4 drafter's, dequantized (float32): the
+    drafter whose unquantized path computes what the int4 weights hold."""
+    from safetensors import safe_open
+
+    from qwen_serving.checkpoint import int4
+
+    model = ModelDir.open(quantized, require_qwen35=False)
+    tensors = load_file(str(drafter / "model.safetensors"))
+    for module in dflash2_format.quantizable_modules(model.config):
+        if not dflash2_format.is_qkv(module):
+            continue
+        with safe_open(str(quantized / model.weight_map[f"{module}.weight_packed"]), framework="pt") as f:
+            packed, scales = f.get_tensor(f"{module}.weight_packed"), f.get_tensor(f"{module}.weight_scale")
+            rows, cols = f.get_tensor(f"{module}.weight_shape").tolist()
+        assert tensors[f"{module}.weight"].shape == (rows, cols)
+        tensors[f"{module}.weight"] = int4.dequantize_int4_groups(int4.unpack_int4(packed, cols), scales.float())
+    out.mkdir()
+    (out / "config.json").write_text((drafter / "config.json").read_text())
+    save_file(tensors, str(out / "model.safetensors"))
+
+
+def _relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    assert ours.shape == theirs.shape
+    return float((ours - theirs).abs().max() / theirs.abs().max())
+
+
+def test_int4_context_kv_is_the_unquantized_path_on_the_dequantized_weights(target, drafter, rtn36, tmp_path):
+    """The patched precompute of the 36-matrix drafter (each layer's int4 qkv_proj through vLLM's quant method
+    down to MarlinLinearKernel.apply_weights, whose CUDA GEMM a CPU stand-in replaces) caches the K/V that stock
+    vLLM's fused bf16-path GEMM computes from the dequantized q/k/v. Both in float32, so only summation order
+    differs; on a GPU in bf16 the difference is bf16 rounding (not run)."""
+    states_path, reference = tmp_path / "states.safetensors", tmp_path / "dequantized"
+    states = _states(drafter, states_path)
+    _dequantized_drafter(drafter, rtn36[0], reference)
+    quantized = _context_kv(target, rtn36[0], states_path, "patched", "--float32")
+    unquantized = _context_kv(target, reference, states_path, "pristine", "--float32")
+    layers = len(unquantized["k_norm_weights"])
+    # the per-layer path: one Marlin GEMM per layer's qkv_proj, in layer order, and no fused weight
+    assert quantized["marlin_calls"].tolist() == list(range(layers)) and "fused_kv_weight" not in quantized
+    assert unquantized["marlin_calls"].numel() == 0 and "fused_kv_weight" in unquantized  # vLLM's fused GEMM
+    for i in range(layers):
+        for kind in ("k", "v"):
+            assert _relative_error(quantized[f"{kind}.{i}"], unquantized[f"{kind}.{i}"]) < 1e-5, (kind, i)
+    # the comparison can tell weights apart: the bf16 drafter's own (unquantized) q/k/v give other K/V
+    fwd = Dflash2Forward(drafter)
+    normed = states * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + fwd.eps) * fwd.w["hidden_norm.weight"]
+    with torch.no_grad():
+        original = fwd.context_kv(normed, torch.arange(len(states)))
+    assert all(_relative_error(quantized[f"v.{i}"], original[i][1]) > 1e-2 for i in range(layers))
+
+
+def test_the_bf16_drafter_s_buffers_and_context_kv_are_unchanged_by_the_patch(target, drafter, tmp_path):
+    """The hook declines a bf16 qkv_proj: pristine and patched vLLM build the same fused K/V weight and K-norm
+    weights at load and cache the same K/V, byte for byte (bf16, the drafter's dtype)."""
+    _states(drafter, tmp_path / "states.safetensors")
+    pristine = _context_kv(target, drafter, tmp_path / "states.safetensors", "pristine")
+    patched = _context_kv(target, drafter, tmp_path / "states.safetensors", "patched")
+    assert pristine["fused_kv_weight"].dtype == torch.bfloat16 and patched["marlin_calls"].numel() == 0
+    assert sorted(pristine) == sorted(patched)
+    for name in pristine:
+        assert torch.equal(pristine[name], patched[name]), name
 
 
 def test_a_wrong_directory_is_a_clear_error(target, drafter, captured, tmp_path):
@@ -254,9 +369,9 @@ def test_gptq_beats_round_to_nearest_on_every_matrix_and_the_drafter_loads(targe
     proc = _quantize(drafter, capture, out, python=str(QUANT_PYTHON))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = _check_drafter(target, drafter, out, "gptq", before)
-    assert drafter_quantize.gptq_beats_rtn(table) == [], table
-    # the q/k/v matrices too (the 36-matrix layout)
-    every = _quantize(drafter, capture, tmp_path / "dflash2-W4A16-qkv", "--int4-qkv", python=str(QUANT_PYTHON))
-    assert every.returncode == 0, every.stdout[-3000:] + every.stderr[-3000:]
-    record = ModelDir.open(tmp_path / "dflash2-W4A16-qkv", require_qwen35=False).manifest()["steps"][dflash2_format.STEP]
-    assert len(record["held_out_error"]) == 36 and drafter_quantize.gptq_beats_rtn(record["held_out_error"]) == []
+    assert len(table) == 36 and drafter_quantize.gptq_beats_rtn(table) == [], table
+    # q/k/v kept bf16 (--bf16-qkv): the other 21
+    kept = _quantize(drafter, capture, tmp_path / "dflash2-W4A16-bf16qkv", "--bf16-qkv", python=str(QUANT_PYTHON))
+    assert kept.returncode == 0, kept.stdout[-3000:] + kept.stderr[-3000:]
+    record = ModelDir.open(tmp_path / "dflash2-W4A16-bf16qkv", require_qwen35=False).manifest()["steps"][dflash2_format.STEP]
+    assert len(record["held_out_error"]) == 21 and drafter_quantize.gptq_beats_rtn(record["held_out_error"]) == []

@@ -9,10 +9,12 @@ compressed-tensors config must look:
   naming a checkpoint module (`layers.0.self_attn.q_proj`) matches nothing; the group targets the
   class name `Linear` (every LinearBase class name contains it), as llmcompressor's own configs do;
 - `_build_context_kv_buffers` slices `qkv_proj.weight` for the context-KV precompute, which a W4A16
-  qkv_proj does not have (it holds weight_packed): the load fails with AttributeError at the end of
-  load_weights (upstream vllm#51581, open; reproduced here on the CPU). So q/k/v stay bf16 by default
-  (ignored by a regex that matches the fused name and, should the mapping be fixed, its parts); the
-  36-matrix layout (q/k/v int4 too) is written only on request and needs that fix.
+  qkv_proj does not have (it holds weight_packed): stock 0.28.0 fails the load with AttributeError at the
+  end of load_weights (upstream vllm#51581, open; reproduced here on the CPU).
+  patches/dflash2-quantized-kv.patch projects the context through each layer's own quantized qkv_proj
+  instead, so all 36 matrices are int4 by default (the spec's layout); `bf16_qkv` keeps q/k/v bf16
+  (ignored by a regex that matches the fused name and, should the mapping be fixed, its parts), the
+  21-matrix layout a vLLM without that patch loads.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ QKV_IGNORE = r"re:.*self_attn\.(qkv|q|k|v)_proj$"
 GROUP_SIZE = 128
 WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP_SIZE,
            "dynamic": False, "actorder": None, "observer": "minmax"}
-QKV_NOTE = ("q/k/v are int4: vLLM 0.28.0's context-KV precompute reads qkv_proj.weight, which a W4A16 qkv_proj "
-            "lacks, so the load fails (upstream vllm#51581, no patch in patches/)")
+QKV_NOTE = ("q/k/v are int4: stock vLLM 0.28.0 cannot load that (its context-KV precompute reads qkv_proj.weight, "
+            "upstream vllm#51581); the patched vLLM install.sh makes loads it (patches/dflash2-quantized-kv.patch; "
+            "CPU-tested, not run on a GPU yet)")
 
 
 def is_dflash2_drafter(model_dir: str | Path) -> bool:
@@ -54,15 +57,15 @@ def is_qkv(module: str) -> bool:
     return module.rsplit(".", 1)[-1] in QKV
 
 
-def quant_config(int4_qkv: bool) -> dict:
-    """compressed-tensors W4A16 g128 for every drafter linear vLLM quantizes, q/k/v ignored unless int4_qkv."""
+def quant_config(bf16_qkv: bool = False) -> dict:
+    """compressed-tensors W4A16 g128 for every drafter linear vLLM quantizes, q/k/v ignored if bf16_qkv."""
     return {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(WEIGHTS), "input_activations": None,
                                       "output_activations": None, "format": "pack-quantized"}},
-        "ignore": ["lm_head"] + ([] if int4_qkv else [QKV_IGNORE]),
+        "ignore": ["lm_head"] + ([QKV_IGNORE] if bf16_qkv else []),
     }
 
 

@@ -19,8 +19,8 @@ the quantization_config extended, prepared.json's `fast_variant` step), so the l
 MODEL=auto and prepare_status treat it as they treat the fetched variant.
 
 The DFlash2 drafter (`build_dflash2`): the same GPTQ on its captured matrices, written as a new drafter
-directory in the layout vLLM 0.28.0 loads (dflash2_format.py: q/k/v bf16 unless asked), step
-`dflash2_w4a16` in its prepared.json.
+directory in the layout the patched vLLM 0.28.0 loads (dflash2_format.py: all 36 matrices int4, or q/k/v
+bf16 when asked), step `dflash2_w4a16` in its prepared.json.
 """
 
 from __future__ import annotations
@@ -295,12 +295,12 @@ def build_variant(base_dir: str | Path, stats_path: str | Path, out_dir: str | P
 
 
 def build_dflash2(drafter_dir: str | Path, stats_path: str | Path, out_dir: str | Path, method: str = "gptq",
-                  table_path: str | Path | None = None, int4_qkv: bool = False) -> int:
+                  table_path: str | Path | None = None, bf16_qkv: bool = False) -> int:
     """Quantize the bf16 DFlash2 drafter's captured matrices to W4A16 g128 and write `out_dir`; an exit status.
 
-    Every matrix vLLM builds with the drafter's quant config (fc, o_proj, gate/up, down_proj of each layer)
-    becomes int4; q/k/v stay bf16 unless `int4_qkv` (the 36-matrix layout vLLM 0.28.0 cannot load:
-    dflash2_format's docstring). Norms, conv kernels, the candidate selector stay as they are."""
+    Every matrix vLLM builds with the drafter's quant config (fc and each layer's q/k/v, o_proj, gate/up,
+    down_proj: 36 at 5 layers) becomes int4; `bf16_qkv` keeps q/k/v bf16 (21 int4), the layout stock vLLM
+    0.28.0 loads (dflash2_format's docstring). Norms, conv kernels, the candidate selector stay as they are."""
     drafter_dir, out_dir = Path(drafter_dir).resolve(), Path(out_dir).resolve()
     if method not in METHODS:
         raise ValueError(f"method {method!r}: one of {', '.join(METHODS)}")
@@ -322,7 +322,7 @@ def build_dflash2(drafter_dir: str | Path, stats_path: str | Path, out_dir: str 
             if sorted(stats.modules) != expected:
                 raise CheckpointError(f"{stats_path} is not a DFlash2 capture of this drafter "
                                       "(drafter/capture.py MODEL_DIR --dflash2 DRAFTER_DIR makes one)")
-            modules = [m for m in expected if int4_qkv or not dflash2_format.is_qkv(m)]
+            modules = [m for m in expected if not (bf16_qkv and dflash2_format.is_qkv(m))]
             from safetensors import safe_open
 
             def weight_of(module: str) -> torch.Tensor:
@@ -332,7 +332,7 @@ def build_dflash2(drafter_dir: str | Path, stats_path: str | Path, out_dir: str 
 
             results, table = quantize_all(weight_of, stats, method, modules)
             markdown = _report(table, method)
-            config = dict(drafter.config, quantization_config=dflash2_format.quant_config(int4_qkv))
+            config = dict(drafter.config, quantization_config=dflash2_format.quant_config(bf16_qkv))
             folder = out_dir.parent / f".{out_dir.name}.drafter-tensors-{os.getpid()}"
             folder.mkdir()
             try:
@@ -348,7 +348,7 @@ def build_dflash2(drafter_dir: str | Path, stats_path: str | Path, out_dir: str 
                 change.summary.update({"method": method, "format": "W4A16 int4 symmetric g128 pack-quantized",
                                        "modules": modules, "kept_bf16": kept, "capture": stats.meta,
                                        "held_out_error": table,
-                                       "note": dflash2_format.QKV_NOTE if int4_qkv else None})
+                                       "note": None if bf16_qkv else dflash2_format.QKV_NOTE})
                 apply_change(drafter, change, target=out_dir)
             finally:
                 transaction.remove_tree(folder)
@@ -359,8 +359,6 @@ def build_dflash2(drafter_dir: str | Path, stats_path: str | Path, out_dir: str 
             print(markdown, end="")
             if table_path:
                 Path(table_path).write_text(markdown)
-            if int4_qkv:
-                say(f"quantize: warning: {dflash2_format.QKV_NOTE}")
             size = sum((out_dir / s).stat().st_size for s in set(written.weight_map.values()))
             say(f"quantize: {out_dir} ready: {len(modules)} int4 matrices, {len(kept)} kept bf16, {size / 1e6:.1f} MB")
             return 0

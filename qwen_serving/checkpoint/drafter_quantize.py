@@ -25,9 +25,11 @@ bf16 when asked), step `dflash2_w4a16` in its prepared.json.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -247,6 +249,36 @@ def write_module_tensors(results: dict[str, tuple], folder: Path) -> None:
     save_file(tensors, str(folder / "model.safetensors"))
 
 
+@contextlib.contextmanager
+def _new_output(out_dir: Path, what: str) -> Iterator[None]:
+    """Hold out_dir's lock, finish or roll back a transaction a killed run left there, and refuse an existing
+    out_dir (nothing is written over)."""
+    with transaction.locked(out_dir):
+        for line in transaction.recover(out_dir):
+            say(f"quantize: {line}")
+        if out_dir.exists():
+            raise CheckpointError(f"{out_dir} exists; move it away to build {what} again")
+        yield
+
+
+@contextlib.contextmanager
+def _tensor_folder(out_dir: Path, results) -> Iterator[Path]:
+    """The quantized modules written to a scratch folder beside out_dir, removed afterwards whatever happens."""
+    folder = out_dir.parent / f".{out_dir.name}.drafter-tensors-{os.getpid()}"
+    folder.mkdir()
+    try:
+        write_module_tensors(results, folder)
+        yield folder
+    finally:
+        transaction.remove_tree(folder)
+
+
+def _print_table(markdown: str, table_path: str | Path | None) -> None:
+    print(markdown, end="")
+    if table_path:
+        Path(table_path).write_text(markdown)
+
+
 def build_variant(base_dir: str | Path, stats_path: str | Path, out_dir: str | Path, method: str = "gptq",
                   table_path: str | Path | None = None) -> int:
     """Quantize the captured modules and write `out_dir` as a fast variant of `base_dir`; an exit status."""
@@ -254,11 +286,7 @@ def build_variant(base_dir: str | Path, stats_path: str | Path, out_dir: str | P
     if method not in METHODS:
         raise ValueError(f"method {method!r}: one of {', '.join(METHODS)}")
     try:
-        with transaction.locked(out_dir):
-            for line in transaction.recover(out_dir):
-                say(f"quantize: {line}")
-            if out_dir.exists():
-                raise CheckpointError(f"{out_dir} exists; move it away to build the variant again")
+        with _new_output(out_dir, "the variant"):
             if dflash2_format.is_dflash2_drafter(base_dir):
                 raise CheckpointError(f"{base_dir} is a DFlash2 drafter: pass --dflash2 to quantize it")
             stats = _finished_capture(stats_path, base_dir)
@@ -267,22 +295,15 @@ def build_variant(base_dir: str | Path, stats_path: str | Path, out_dir: str | P
 
             results, table = quantize_all(Weights(base.path).linear, stats, method)
             markdown = _report(table, method)  # before anything is written
-            folder = out_dir.parent / f".{out_dir.name}.drafter-tensors-{os.getpid()}"
-            folder.mkdir()
-            try:
-                write_module_tensors(results, folder)
+            with _tensor_folder(out_dir, results) as folder:
                 change = hub.build_fast_variant(base, folder, f"local {method} ({SCRIPT})")
                 change.script = SCRIPT
                 change.summary.update({"method": method, "capture": stats.meta, "held_out_error": table})
                 apply_change(base, change, target=out_dir)
-            finally:
-                transaction.remove_tree(folder)
             problems = steps.quant_problems(ModelDir.open(out_dir))
             if problems:
                 raise CheckpointError(f"{out_dir} does not verify: {problems[0]}")
-            print(markdown, end="")
-            if table_path:
-                Path(table_path).write_text(markdown)
+            _print_table(markdown, table_path)
             say(f"quantize: {out_dir} ready ({hub.verify_model(out_dir)}); base shards hard-linked")
             return 0
     except (CheckpointError, RuntimeError, ValueError, OSError) as e:
@@ -305,11 +326,7 @@ def build_dflash2(drafter_dir: str | Path, stats_path: str | Path, out_dir: str 
     if method not in METHODS:
         raise ValueError(f"method {method!r}: one of {', '.join(METHODS)}")
     try:
-        with transaction.locked(out_dir):
-            for line in transaction.recover(out_dir):
-                say(f"quantize: {line}")
-            if out_dir.exists():
-                raise CheckpointError(f"{out_dir} exists; move it away to build the drafter again")
+        with _new_output(out_dir, "the drafter"):
             if not dflash2_format.is_dflash2_drafter(drafter_dir):
                 raise CheckpointError(f"{drafter_dir}: not a DFlash2 drafter directory (config.json with architectures "
                                       f"[\"{dflash2_format.ARCHITECTURE}\"]): --dflash2 takes the bf16 drafter")
@@ -333,10 +350,7 @@ def build_dflash2(drafter_dir: str | Path, stats_path: str | Path, out_dir: str 
             results, table = quantize_all(weight_of, stats, method, modules)
             markdown = _report(table, method)
             config = dict(drafter.config, quantization_config=dflash2_format.quant_config(bf16_qkv))
-            folder = out_dir.parent / f".{out_dir.name}.drafter-tensors-{os.getpid()}"
-            folder.mkdir()
-            try:
-                write_module_tensors(results, folder)
+            with _tensor_folder(out_dir, results) as folder:
                 from qwen_serving.checkpoint.rewrite import Change
                 from qwen_serving.checkpoint.safetensors_io import SafetensorsFile, copied_tensor
 
@@ -350,15 +364,11 @@ def build_dflash2(drafter_dir: str | Path, stats_path: str | Path, out_dir: str 
                                        "held_out_error": table,
                                        "note": None if bf16_qkv else dflash2_format.QKV_NOTE})
                 apply_change(drafter, change, target=out_dir)
-            finally:
-                transaction.remove_tree(folder)
             written = ModelDir.open(out_dir, require_qwen35=False)
             problems = steps.quant_problems(written) + dflash2_format.layout_problems(written)[0]
             if problems:
                 raise CheckpointError(f"{out_dir} does not verify: {problems[0]}")
-            print(markdown, end="")
-            if table_path:
-                Path(table_path).write_text(markdown)
+            _print_table(markdown, table_path)
             size = sum((out_dir / s).stat().st_size for s in set(written.weight_map.values()))
             say(f"quantize: {out_dir} ready: {len(modules)} int4 matrices, {len(kept)} kept bf16, {size / 1e6:.1f} MB")
             return 0

@@ -25,37 +25,29 @@ def text(raw: str) -> str:
     return raw
 
 
+def _number(raw: str, cast: Callable[[str], float], kind: str, ok: Callable[[float], bool], rule: str):
+    try:
+        value = cast(raw)
+    except ValueError:
+        raise ValueError(f"not {kind}") from None
+    if not ok(value):
+        raise ValueError(rule)
+    return value
+
+
 def count(raw: str) -> int:
     """A whole number >= 1 (a length, a number of tokens)."""
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError("not an integer") from None
-    if value < 1:
-        raise ValueError("must be >= 1")
-    return value
+    return _number(raw, int, "an integer", lambda v: v >= 1, "must be >= 1")
 
 
 def whole(raw: str) -> int:
     """A whole number >= 0 (a count of steps that may be none)."""
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError("not an integer") from None
-    if value < 0:
-        raise ValueError("must be >= 0")
-    return value
+    return _number(raw, int, "an integer", lambda v: v >= 0, "must be >= 0")
 
 
 def gib(raw: str) -> float:
     """A size in GiB, above 0 (0.125 is 128 MiB)."""
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError("not a number") from None
-    if not 0 < value < float("inf"):
-        raise ValueError("must be a number of GiB above 0")
-    return value
+    return _number(raw, float, "a number", lambda v: 0 < v < float("inf"), "must be a number of GiB above 0")
 
 
 def one_of(*choices: str) -> Callable[[str], str]:

@@ -26,11 +26,8 @@ from vllm import _custom_ops  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
-from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa: E402
-from vllm.model_executor.model_loader.utils import initialize_model  # noqa: E402
-from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
 
-from tests.helpers.scripted_dflash2_vllm import ContextAttention, rms_norm, rotary_embedding, target_tensor  # noqa: E402
+from tests.helpers.scripted_dflash2_vllm import load_drafter_on_cpu, rms_norm, rotary_embedding  # noqa: E402
 from tests.helpers.vllm_cpu_models import start_cpu_world  # noqa: E402
 
 HOOKED = ("fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -55,20 +52,7 @@ def main() -> None:
     _custom_ops.rms_norm = recording_rms_norm
     _custom_ops.rotary_embedding = rotary_embedding
     with set_current_vllm_config(config):
-        with set_default_torch_dtype(draft_config.dtype), torch.device("cpu"):
-            model = initialize_model(vllm_config=config, model_config=draft_config)
-        DefaultModelLoader(config.load_config).load_weights(model, draft_config)
-        lm = "model.language_model."
-        model.model.embed_tokens.weight.data.copy_(target_tensor(target, f"{lm}embed_tokens.weight"))
-        model.lm_head.weight.data.copy_(target_tensor(target, "lm_head.weight"))
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            attn.attn = ContextAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling)
-        model.float()
-        model.model._build_fused_kv_buffers()
-        for module in model.modules():
-            if type(getattr(module, "quant_method", None)).__name__.startswith("Unquantized"):
-                module.cpu_linear = torch.nn.functional.linear
+        model = load_drafter_on_cpu(config, draft_config, target)
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] in HOOKED:
                 module.register_forward_hook(

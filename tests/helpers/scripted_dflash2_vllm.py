@@ -126,6 +126,29 @@ def target_tensor(target: Path, name: str) -> torch.Tensor:
         return f.get_tensor(name)
 
 
+def load_drafter_on_cpu(config, draft_config, target: Path):
+    """vLLM's DFlash2 drafter built and loaded as its engine would (inside set_current_vllm_config), with the
+    target's embedding and lm_head shared in as load_dflash_model does (the drafter ships neither), the
+    attention kernel swapped for ContextAttention, and the model in float32."""
+    with set_default_torch_dtype(draft_config.dtype), torch.device("cpu"):
+        model = initialize_model(vllm_config=config, model_config=draft_config)
+    DefaultModelLoader(config.load_config).load_weights(model, draft_config)
+    lm = "model.language_model."
+    model.model.embed_tokens.weight.data.copy_(target_tensor(target, f"{lm}embed_tokens.weight"))
+    model.lm_head.weight.data.copy_(target_tensor(target, "lm_head.weight"))
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.attn = ContextAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling)
+    model.float()
+    model.model._build_fused_kv_buffers()  # the precompute's fused copies, now of the float32 weights
+    for module in model.modules():
+        if type(module).__name__ == "LogitsProcessor":  # else the lm_head casts back to bf16
+            module.head_dtype = None
+        if type(getattr(module, "quant_method", None)).__name__.startswith("Unquantized"):
+            module.cpu_linear = F.linear  # what process_weights_after_loading sets on the CPU
+    return model
+
+
 def walk(scores: torch.Tensor, candidates: torch.Tensor, position: int, temperature: float = 0.0,
          seed: int = 0) -> list[int]:
     """vLLM's _selector_walk_kernel for one request: plain argmax at temperature 0, else Gumbel-max over
@@ -154,23 +177,7 @@ def main() -> None:
     _custom_ops.rotary_embedding = rotary_embedding
     gumbel.tldevice = InterpretedLibdevice
     with set_current_vllm_config(config):
-        with set_default_torch_dtype(draft_config.dtype), torch.device("cpu"):
-            model = initialize_model(vllm_config=config, model_config=draft_config)
-        DefaultModelLoader(config.load_config).load_weights(model, draft_config)
-        # load_dflash_model shares the target's embedding and lm_head (the drafter ships neither)
-        lm = "model.language_model."
-        model.model.embed_tokens.weight.data.copy_(target_tensor(target, f"{lm}embed_tokens.weight"))
-        model.lm_head.weight.data.copy_(target_tensor(target, "lm_head.weight"))
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            attn.attn = ContextAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling)
-        model.float()
-        model.model._build_fused_kv_buffers()  # the precompute's fused copies, now of the float32 weights
-        for module in model.modules():
-            if type(module).__name__ == "LogitsProcessor":  # else the lm_head casts back to bf16
-                module.head_dtype = None
-            if type(getattr(module, "quant_method", None)).__name__.startswith("Unquantized"):
-                module.cpu_linear = F.linear  # what process_weights_after_loading sets on the CPU
+        model = load_drafter_on_cpu(config, draft_config, target)
         hf = draft_config.hf_config
         mask = int(hf.dflash_config["mask_token_id"])
         gen = torch.Generator().manual_seed(0)

@@ -96,8 +96,9 @@ def test_a_correct_server_passes_every_depth_that_fits_and_the_rest_are_skipped(
     # cold: nothing cached under this run's salt; the follow-up: the first turn's whole blocks (never its last token)
     assert followup["cache_hit_tokens"] == [0, BLOCK * ((1000 - 1) // BLOCK)]
     assert followup["cached"]["prompt_tokens"] == 1000 + SEGMENT + rd.FOLLOWUP_SUFFIX + rd.CUE_TOKENS
-    out = capsys.readouterr().out
-    assert "3/3 depths verbatim, 1 skipped" in out and "| 4,096 | - | - | - | skipped:" in out
+    captured = capsys.readouterr()
+    assert "3/3 depths verbatim, 1 skipped" in captured.out and "| 4,096 | - | - | - | skipped:" in captured.out
+    assert "retrieval   [" in captured.err and "] 5/5 " in captured.err  # the progress bar: 4 depths, the follow-up
 
 
 def test_a_server_that_loses_the_segment_past_a_depth_fails_exactly_those_depths(design, tmp_path, capsys):

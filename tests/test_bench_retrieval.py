@@ -138,7 +138,7 @@ def test_a_run_resumes_without_rerunning_what_it_finished(design, tmp_path):
     assert forced["followup"]["verbatim"] is False
 
 
-def test_every_prompt_one_length_and_a_request_error_runs_again_on_resume(design, tmp_path):
+def test_prompt_tokens_makes_every_prompt_one_length_and_a_finished_run_sends_nothing(design, tmp_path):
     with FakeVllm("--design", design, "--max-model-len", 2000) as server:
         rc, report = run(server, design, tmp_path, "--depths", "64,900", "--prompt-tokens", "1200",
                          "--followup-prefix", "0")

@@ -27,7 +27,6 @@ import json
 import math
 import re
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -292,30 +291,7 @@ def scripted_check(measured: list[float], expected: list[float], engine_top: lis
 
 
 # ---------------------------------------------------------------------------------------------
-# Progress and results
-
-
-class Progress:
-    """A one-line progress bar on stderr (no dependency: the GPU machine's bare python3 runs this too)."""
-
-    def __init__(self, label: str, total: int, done: int = 0, stream=sys.stderr, width: int = 30):
-        self.label, self.total, self.done, self.stream, self.width = label, total, done, stream, width
-        self.started = time.monotonic()
-        self._draw()
-
-    def step(self, extra: str = "") -> None:
-        self.done += 1
-        self._draw(extra)
-        if self.done >= self.total:
-            self.stream.write("\n")
-            self.stream.flush()
-
-    def _draw(self, extra: str = "") -> None:
-        filled = self.width * self.done // max(self.total, 1)
-        bar = "#" * filled + "." * (self.width - filled)
-        elapsed = time.monotonic() - self.started
-        self.stream.write(f"\r{self.label:<11} [{bar}] {self.done}/{self.total} {elapsed:5.0f} s {extra}")
-        self.stream.flush()
+# Results
 
 
 class Results:
@@ -359,7 +335,7 @@ def run_perplexity(client: serving.Client, model: str, results: Results, texts_d
     section = results.section("perplexity")
     texts = section.setdefault("texts", {})
     todo = [name for name in TEXT_FILES if name not in texts]
-    bar = Progress("perplexity", len(TEXT_FILES), len(TEXT_FILES) - len(todo))
+    bar = serving.Progress("perplexity", len(TEXT_FILES), len(TEXT_FILES) - len(todo))
     for name in todo:
         scored = prompt_token_logprobs(client, model, (texts_dir / TEXT_FILES[name]).read_text())
         texts[name] = {"file": TEXT_FILES[name], **perplexity(s["logprob"] for s in scored)}
@@ -375,7 +351,7 @@ def run_gsm8k(client: serving.Client, model: str, results: Results, items: list[
     section = results.section("gsm8k")
     answers = section.setdefault("items", {})
     todo = [i for i in range(len(items)) if str(i) not in answers]
-    bar = Progress("gsm8k", len(items), len(items) - len(todo))
+    bar = serving.Progress("gsm8k", len(items), len(items) - len(todo))
 
     def ask(i: int) -> tuple[int, dict]:
         out = client.post_json("/v1/chat/completions", gsm8k_request(model, items[i]["question"], max_tokens))
@@ -403,7 +379,7 @@ def run_scripted(client: serving.Client, model: str, results: Results, model_dir
     walks, table = scripted_walks(model_dir, tokens, walk_len, device=device)
     section = results.section("scripted")
     done = section.setdefault("walks", [])
-    bar = Progress("scripted", len(walks), len(done))
+    bar = serving.Progress("scripted", len(walks), len(done))
     for walk in walks[len(done):]:
         scored = prompt_token_logprobs(client, model, walk)
         if [s["token"] for s in scored] != walk[1:]:

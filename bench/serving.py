@@ -1,6 +1,6 @@
 """What every script that talks to or starts a vLLM server shares (bench/, tests/gpu/, prepare/count_outputs.py):
-the HTTP client (JSON, server-sent events, text), the API key, the atomic JSON write, Prometheus /metrics
-parsing, and a server process in its own process group.
+the HTTP client (JSON, server-sent events, text), the API key, the atomic JSON write, a progress bar, Prometheus
+/metrics parsing, and a server process in its own process group.
 
 Standard library only, so it imports on the GPU machine's bare python3 as well as on CPU.
 """
@@ -13,6 +13,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -170,6 +171,34 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     """Write through a temp file in the same folder, so a crash never leaves half a file. A value JSON has no
     type for (a Path, a dtype) is written as its str(): a measurement is never lost to its own record."""
     files.write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress
+
+
+class Progress:
+    """A one-line progress bar on stderr (no dependency: the GPU machine's bare python3 runs this too)."""
+
+    def __init__(self, label: str, total: int, done: int = 0, stream=None, width: int = 30):
+        self.label, self.total, self.done, self.width = label, total, done, width
+        self.stream = stream or sys.stderr
+        self.started = time.monotonic()
+        self._draw()
+
+    def step(self, extra: str = "") -> None:
+        self.done += 1
+        self._draw(extra)
+        if self.done >= self.total:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _draw(self, extra: str = "") -> None:
+        filled = self.width * self.done // max(self.total, 1)
+        bar = "#" * filled + "." * (self.width - filled)
+        elapsed = time.monotonic() - self.started
+        self.stream.write(f"\r{self.label:<11} [{bar}] {self.done}/{self.total} {elapsed:5.0f} s {extra}")
+        self.stream.flush()
 
 
 # ---------------------------------------------------------------------------------------------

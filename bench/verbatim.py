@@ -262,12 +262,13 @@ def ask(client: serving.Client, model: str, case: Case, *, salt: str | None = No
 
 
 def ask_measured(client: serving.Client, model: str, case: Case, *, salt: str | None = None, ignore_eos: bool = False,
-                 before: br.MetricsSnapshot | None = None) -> tuple[Answer, dict, br.MetricsSnapshot]:
+                 before: br.MetricsSnapshot | None = None, timeout_s: float = 600
+                 ) -> tuple[Answer, dict, br.MetricsSnapshot]:
     """ask() alone on the server, between two /metrics pages: the answer, its figures (tokens per step and
     acceptance as bench/report.py defines them, prefix-cache hit tokens, decode rate, TTFT, the judgement when
     the case has an expected answer) and the page after it (the next request's `before`)."""
     before = before or harness.metrics(client.base, client.key)
-    answer = ask(client, model, case, salt=salt, ignore_eos=ignore_eos)
+    answer = ask(client, model, case, salt=salt, ignore_eos=ignore_eos, timeout_s=timeout_s)
     after = harness.metrics(client.base, client.key)
     delta = br.metrics_delta(before, after)
     spec = br.spec_figures(delta)

@@ -322,6 +322,31 @@ def free_prompt(design: Design, seed: int, length: int = 200, horizon: int = 64)
     return {"ids": [*body, last], "continuation": continuation}
 
 
+def depth_prompt(design: Design, seed: int, depth: int, segment_len: int, cue_len: int = 8, after: int = 256) -> dict:
+    """A long prompt holding one quoted chain segment that starts at position `depth`: filler, the quote (a cue of
+    `cue_len` chain tokens ending at depth - 1, then the segment), `after` more filler tokens, then the cue again.
+    Greedy decoding continues the cue along the chain, so it reproduces the segment. The filler is seeded active
+    tokens off the quote's arc of the cycle (and off the token before it): the segment's tokens sit in the prompt
+    only at the quote, and no filler token's chain successor lies in the quote."""
+    n = len(design.active)
+    if not 0 < cue_len <= depth or segment_len < 1 or after < 0:
+        raise ValueError(f"depth {depth}, segment {segment_len}, cue {cue_len}, after {after}: need "
+                         "0 < cue <= depth, a segment of >= 1 token and after >= 0")
+    if cue_len + segment_len + 2 > n:
+        raise ValueError(f"a {cue_len}-token cue and a {segment_len}-token segment do not fit the {n}-token cycle")
+    cycle = design.walk(design.active[0], n - 1)
+    gen = _rng(seed, "depth-prompt")
+    start = int(torch.randint(n, (1,), generator=gen))
+    arc = [cycle[(start + j) % n] for j in range(cue_len + segment_len + 1)]  # the cue's predecessor, cue, segment
+    cue, segment = arc[1:cue_len + 1], arc[cue_len + 1:]
+    off_arc = set(arc)
+    pool = torch.tensor([t for t in design.active if t not in off_arc])
+    before = depth - cue_len
+    filler = pool[torch.randint(len(pool), (before + after,), generator=gen)].tolist()
+    ids = [*filler[:before], *cue, *segment, *filler[before:], *cue]
+    return {"ids": ids, "continuation": segment, "quoted_span": [depth, depth + segment_len]}
+
+
 def prompt_text(model_dir: str | Path, ids: list[int]) -> str:
     """The prompt as text through the synthetic tokenizer (re-encoding need not give the same ids)."""
     from tokenizers import Tokenizer

@@ -4,8 +4,9 @@ to each other every 5 ms, the interpreter's switch interval, for each of a sweep
 
     python -m tests.helpers.labd_server --port P [--design DIR] [--tokens-per-step X] [--chunk-sleep S]
         [--corrupt-visit N] [--corrupt-residue R] [--corrupt-shape middle|empty|truncated|unrelated]
+        [--max-model-len N] [--lose-from P] [--fail-longer-than N]
 
-Routes: /v1/models, /version, /metrics (prefix-cache and spec-decode counters), /tokenize
+Routes: /v1/models (with --max-model-len), /version, /metrics (prefix-cache and spec-decode counters), /tokenize
 (a token is one character with the space before it, so " ." is one token and " . ." two, as a filler unit is in
 a real tokenizer) and streamed /v1/completions with `return_token_ids`.
 
@@ -16,6 +17,10 @@ A prompt hits the prefix cache for the leading whole blocks (16 tokens) an earli
 cache_salt shared. Spec decode emits `tokens_per_step` tokens a step. It can be told to damage one answer: the `corrupt_visit`-th time a prompt is
 seen (2 = its cache hit), optionally only at prompt length % 128 == `corrupt_residue`, in `corrupt_shape`
 (middle: one token changed in the middle; empty; truncated: the first third; unrelated: other tokens).
+`lose_from` models a KV cache that loses every position from P on: an answer whose first token the prompt holds
+only at or past P (a quote placed that deep) is damaged the same way. A request whose prompt and max_tokens
+exceed max_model_len is refused with HTTP 400, as vLLM refuses it; `fail_longer_than` answers a longer prompt with
+HTTP 500 (an engine error).
 """
 
 from __future__ import annotations
@@ -86,13 +91,15 @@ class FakeVllm:
 class LabdServer:
     def __init__(self, design_dir: Path | None = None, tokens_per_step: float = 1.0, chunk_sleep_s: float = 0.0,
                  corrupt_visit: int | None = None, corrupt_residue: int | None = None, corrupt_shape: str = "middle",
-                 port: int = 0):
+                 port: int = 0, max_model_len: int = MAX_MODEL_LEN, lose_from: int | None = None,
+                 fail_longer_than: int | None = None):
         self.successor = None
         if design_dir is not None:
             design = json.loads((design_dir / "scripted.json").read_text())
             self.successor = dict(zip(design["active"], design["chain"], strict=True))
         self.tokens_per_step, self.chunk_sleep_s = tokens_per_step, chunk_sleep_s
         self.corrupt_visit, self.corrupt_residue, self.corrupt_shape = corrupt_visit, corrupt_residue, corrupt_shape
+        self.max_model_len, self.lose_from, self.fail_longer_than = max_model_len, lose_from, fail_longer_than
         self.lock = threading.Lock()
         self.visits: dict[tuple, int] = {}
         self.blocks: set[int] = set()
@@ -143,11 +150,17 @@ class LabdServer:
             key = (salt, tuple(prompt))
             visit = self.visits[key] = self.visits.get(key, 0) + 1
             ids = self.answer(prompt, body["max_tokens"])
-            # prefix caching: the leading whole blocks an earlier prompt of the same salt left (never the last token)
-            blocks = [hash((salt, tuple(prompt[:end]))) for end in range(BLOCK, len(prompt), BLOCK)]
+            # prefix caching: the leading whole blocks an earlier prompt of the same salt left (never the last token);
+            # a block's hash chains its predecessor's, as vLLM's does, so it names the whole prefix in linear time
+            blocks, chained = [], hash(salt)
+            for end in range(BLOCK, len(prompt), BLOCK):
+                chained = hash((chained, tuple(prompt[end - BLOCK:end])))
+                blocks.append(chained)
             hit = BLOCK * next((i for i, b in enumerate(blocks) if b not in self.blocks), len(blocks))
             self.blocks.update(blocks)
             if visit == self.corrupt_visit and self.corrupt_residue in (None, len(prompt) % 128):
+                ids = self.damage(ids)
+            elif self.lose_from is not None and ids and ids[0] not in prompt[:self.lose_from]:
                 ids = self.damage(ids)
             steps = math.ceil(len(ids) / self.tokens_per_step)
             c = self.counters
@@ -191,7 +204,8 @@ class LabdServer:
                     self.end_headers()
                     self.wfile.write(data)
                 elif self.path == "/v1/models":
-                    send_json(self, {"data": [{"id": "fake", "root": "/models/fake", "max_model_len": MAX_MODEL_LEN}]})
+                    send_json(self, {"data": [{"id": "fake", "root": "/models/fake",
+                                               "max_model_len": server.max_model_len}]})
                 elif self.path == "/version":
                     send_json(self, {"version": "0.28.0-fake"})
                 else:
@@ -204,9 +218,15 @@ class LabdServer:
                             else body["prompt"])
                     with server.lock:
                         tokens = server.tokenize(text)
-                    return send_json(self, {"count": len(tokens), "tokens": tokens, "max_model_len": MAX_MODEL_LEN})
+                    return send_json(self, {"count": len(tokens), "tokens": tokens,
+                                            "max_model_len": server.max_model_len})
                 if self.path != "/v1/completions" or not body.get("stream"):
                     return send_json(self, {"detail": "Not Found"}, 404)
+                if len(body["prompt"]) + body["max_tokens"] > server.max_model_len:
+                    return send_json(self, {"error": {"message": f"This model's maximum context length is "
+                                                      f"{server.max_model_len} tokens", "code": 400}}, 400)
+                if server.fail_longer_than is not None and len(body["prompt"]) > server.fail_longer_than:
+                    return send_json(self, {"error": {"message": "EngineCore encountered an issue", "code": 500}}, 500)
                 ids = server.complete(body)
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
@@ -242,9 +262,12 @@ def main() -> None:
     p.add_argument("--corrupt-visit", type=int)
     p.add_argument("--corrupt-residue", type=int)
     p.add_argument("--corrupt-shape", default="middle", choices=("middle", "empty", "truncated", "unrelated"))
+    p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    p.add_argument("--lose-from", type=int)
+    p.add_argument("--fail-longer-than", type=int)
     a = p.parse_args()
     LabdServer(a.design, a.tokens_per_step, a.chunk_sleep, a.corrupt_visit, a.corrupt_residue, a.corrupt_shape,
-               a.port).httpd.serve_forever()
+               a.port, a.max_model_len, a.lose_from, a.fail_longer_than).httpd.serve_forever()
 
 
 if __name__ == "__main__":

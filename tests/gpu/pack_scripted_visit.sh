@@ -3,7 +3,7 @@
 # scripted-h200-mtp.json; scripted.tgz (the run's JSON: greedy answers, chi-square samples, prediction, synth and
 # prediction logs, the run log); logs.tgz (each server log's last 2 MB); profiles.tgz (the gzipped traces of the
 # profiled C1 windows); tests.tgz (the GPU tests' results and logs, the visit logs);
-# jit-cache.tgz.00, .01 (the kernel caches, when two 15 MB parts hold them: carry them as .whl/ next time).
+# jit-cache.tgz.NN (the kernel caches in 15 MB parts, when the files left hold them: carry them as .whl/ next time).
 set -uo pipefail
 OUT="${1:?usage: pack_scripted_visit.sh OUT}"
 cd /tmp || exit 1
@@ -19,11 +19,13 @@ tar -czf "$OUT/logs.tgz" -C /tmp pack-logs 2>/dev/null
 parts=()
 for p in visit-tests visit-prepare visit.log visit-tests.log visit-prepare.log; do [ -e "$p" ] && parts+=("$p"); done
 [ ${#parts[@]} -gt 0 ] && tar -czf "$OUT/tests.tgz" "${parts[@]}" 2>/dev/null
-# the kernel caches (Triton's, vLLM's compiled graphs) for a later visit's boot, in 15 MB parts, when two parts
-# hold them (what comes back is at most 8 files)
+# the kernel caches (Triton's, vLLM's compiled graphs) for a later visit's boot, in 15 MB parts, as many as the
+# 8 files that come back leave room for
 rm -f "$OUT"/jit-cache.tgz.*
 if tar -czf /tmp/jit-cache.tgz -C "$HOME" .triton/cache .cache/vllm/torch_compile_cache 2>/dev/null; then
-  if [ "$(stat -c %s /tmp/jit-cache.tgz)" -le 30000000 ]; then split -b 15000000 -d -a 2 /tmp/jit-cache.tgz "$OUT/jit-cache.tgz."
-  else echo "kernel caches: $(stat -c %s /tmp/jit-cache.tgz) bytes, more than two parts: not packed"; fi
+  room=$(( 8 - $(find "$OUT" -maxdepth 1 -type f | wc -l) ))
+  if [ "$(stat -c %s /tmp/jit-cache.tgz)" -le $(( room * 15000000 )) ]; then
+    split -b 15000000 -d -a 2 /tmp/jit-cache.tgz "$OUT/jit-cache.tgz."
+  else echo "kernel caches: $(stat -c %s /tmp/jit-cache.tgz) bytes, more than the $room parts left: not packed"; fi
 fi
 ls -la "$OUT"

@@ -126,7 +126,7 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
 # short context keeps the pools small, so a wave boots side by side. The first wave: stock without and with MTP
 # k=4, the single-user plan without and with it; 16 seats each, for the chi-square batches (pools: each seats the
 # 8 requests of the greedy batch at once, memory.CacheShape.residents at 260 + 512 tokens). Then a variant
-# (SCRIPTED_VARIANTS) and the k sweep (SCRIPTED_SWEEP), the plan's servers before stock's. Raw logits in the logprobs: the near-tie rule (tests/gpu/smoke_lib.py)
+# (SCRIPTED_VARIANTS) and the k sweep (SCRIPTED_SWEEP), each k's pair together (scripted_mtp.SWEEP_ORDER). Raw logits in the logprobs: the near-tie rule (tests/gpu/smoke_lib.py)
 # reads logit gaps on the bf16 scale. The patched servers are the single-user plan as it stands (probabilistic
 # drafts, fp16 state, its prefill chunk, the draft head when the checkpoint they serve has one:
 # bench/gpu/scripted_mtp.py serves them the prepared copy), less the tool parser (its ijson dependency is staged

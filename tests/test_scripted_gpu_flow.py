@@ -91,10 +91,10 @@ def test_dry_run_prints_every_wave(tmp_path):
                          timeout=120)
     assert res.returncode == 0, res.stderr
     commands = [line for line in res.stdout.splitlines() if line.startswith("PYTHONPATH=")]
-    patched = ["PYTHONPATH=/p:/s"] * (len(fb.SCRIPTED_VARIANTS) + len(fb.SCRIPTED_SWEEP_K))
-    stock = ["PYTHONPATH=/s"] * len(fb.SCRIPTED_SWEEP_K)
+    variants = ["PYTHONPATH=/p:/s"] * len(fb.SCRIPTED_VARIANTS)
+    pairs = ["PYTHONPATH=/p:/s", "PYTHONPATH=/s"] * len(fb.SCRIPTED_SWEEP_K)  # each k: ours, then stock
     assert [c.split()[0] for c in commands] == ["PYTHONPATH=/s", "PYTHONPATH=/s", "PYTHONPATH=/p:/s",
-                                               "PYTHONPATH=/p:/s", *patched, *stock]
+                                               "PYTHONPATH=/p:/s", *variants, *pairs]
     ports = [int(re.search(r"--port (\d+)", c).group(1)) for c in commands]
     assert ports == list(range(18060, 18060 + len(commands)))  # never reused across waves
     assert not (tmp_path / "o").exists()
@@ -104,8 +104,8 @@ def test_dry_run_prints_every_wave(tmp_path):
                          capture_output=True, text=True, timeout=120)
     names = re.findall(r"^# (\S+) \(port", res.stdout, flags=re.M)
     assert names == ["scripted-patched-mtp4", "scripted-patched-mtp4-fa2",
-                     *(f"scripted-patched-mtp{k}" for k in fb.SCRIPTED_SWEEP_K),
-                     *(f"scripted-stock-mtp{k}" for k in fb.SCRIPTED_SWEEP_K)]
+                     *(f"scripted-{which}-mtp{k}" for k in sm.SWEEP_ORDER for which in ("patched", "stock"))]
+    assert sorted(sm.SWEEP_ORDER) == sorted(fb.SCRIPTED_SWEEP_K)
 
 
 def test_waves_boot_at_most_four_servers_each(tmp_path):
@@ -115,9 +115,12 @@ def test_waves_boot_at_most_four_servers_each(tmp_path):
     assert [len(w) for w in full] == [4, 4, 4, 3]  # the first wave, then the variant and the sweep's ten servers
     assert [s.cfg.name for s in full[0]] == list(fb.SCRIPTED_CONFIGS)
     assert full[1][0].cfg.name == "scripted-patched-mtp4-fa2"
-    assert all(s.cfg.patched for s in full[1]) and not any(s.cfg.patched for s in full[3])
     later = sm.waves(args, tmp_path, taken=sm.FROM_RUN_SERVERS)
     assert [len(w) for w in later] == [4, 4, 4]
+    # a budget that stops after the first wave still leaves one k measured on both stacks
+    k = sm.SWEEP_ORDER[0]
+    assert [s.cfg.name for s in later[0]] == ["scripted-patched-mtp4", "scripted-patched-mtp4-fa2",
+                                              f"scripted-patched-mtp{k}", f"scripted-stock-mtp{k}"]
 
 
 # ---------------------------------------------------------------- acceptance maths

@@ -3,7 +3,7 @@
 without speculation and with MTP k=4, the single-user plan without and with it) boots together while the
 reference checks the written weights at full size; then the servers are measured one after the other against
 what the weights predict, then the variant (SCRIPTED_VARIANTS) and the k sweep (SCRIPTED_SWEEP) boot, four
-servers a wave, the plan's before stock's, as far as the budget goes.
+servers a wave, each k's pair together (SWEEP_ORDER), as far as the budget goes.
 Stock serves the checkpoint as synth writes it (bf16 MTP and lm_head); the patched servers serve a prepared copy
 (hard links, then prepare/'s steps: int8 lm_head, embedding and MTP, the draft head from the design's
 --draft-coverage id list), as a user's single-user plan would, each judged by the prediction from its own files:
@@ -109,6 +109,9 @@ HOST_PROFILE_S = 10  # py-spy on the engine core while C1 answers stream (bench/
 QUALITY_TAG = "scripted-h200"
 PREFILL_AB_LENS = "1024,3072"  # within SCRIPTED_MAX_LEN
 SWEEP_SERVER_S = 60  # a sweep server's greedy, sampled and C1 parts
+# the sweep's boot order, by k: a budget that ends a sweep early leaves whole stock-beside-ours pairs; k=3 first,
+# the drafts of CTX=long and CTX=huge
+SWEEP_ORDER = (3, 2, 5, 7, 1)
 # servers booted together: four of our MTP servers and their pools fit the H200 (visit 9: 15 GiB of weights and
 # 6.8 GiB of CUDA graphs each); five would need about all of its memory
 WAVE_SERVERS = 4
@@ -609,16 +612,21 @@ def build_servers(args: argparse.Namespace, out: Path, configs: Sequence[fb.Benc
 
 
 def waves(args: argparse.Namespace, out: Path, taken: Sequence[str] = ()) -> list[list[run_full.Server]]:
-    """The first wave's servers (less those --from-run took from an earlier run), then the variants' and the sweep's,
-    the single-user plan's before stock's, booted WAVE_SERVERS at a time (ports never reused)."""
+    """The first wave's servers (less those --from-run took from an earlier run), then the variants', then the
+    sweep's in SWEEP_ORDER, each k's pair together (the single-user plan's, then stock's), booted WAVE_SERVERS at a
+    time (ports never reused)."""
     first = [c for c in fb.SCRIPTED_CONFIGS.values() if c.name not in taken]
-    sweep = sorted([*fb.SCRIPTED_VARIANTS.values(), *fb.SCRIPTED_SWEEP.values()], key=lambda c: not c.patched)
-    configs = first + sweep  # the sort is stable: the variant, the plan's sweep, stock's
+    sweep = sorted(fb.SCRIPTED_SWEEP.values(), key=lambda c: (SWEEP_ORDER.index(sweep_k(c)), not c.patched))
+    configs = first + list(fb.SCRIPTED_VARIANTS.values()) + sweep
     out_waves, port = [], args.base_port
     for i in range(0, len(configs), WAVE_SERVERS):
         out_waves.append(build_servers(args, out, configs[i:i + WAVE_SERVERS], port))
         port += len(out_waves[-1])
     return out_waves
+
+
+def sweep_k(cfg: fb.BenchConfig) -> int:
+    return int(cfg.knobs["DRAFT_TOKENS"])
 
 
 def judge(rec: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], samples: Mapping[str, list[list[int]]],

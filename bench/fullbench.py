@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,7 +63,7 @@ class BenchConfig:
     reference: Mapping[str, Mapping[str, float]] | None = None  # figures to reproduce (reference_check)
     runs: tuple[str, ...] = ("single-c1",)
     what: str = ""
-    max_len: int = MAX_LEN
+    max_len: int | None = MAX_LEN  # None: the plan's own MAX_LEN for the config's knobs
     extra_args: tuple[str, ...] = ()  # vllm serve flags no knob names, through EXTRA_ARGS
 
 
@@ -190,18 +190,21 @@ class ServerCommand:
 
 
 def serve_plan(cfg: BenchConfig, *, ckpt: Path, port: int, traces: Path,
-               probe: plan.Probe | None = None) -> plan.ServePlan:
+               probe: plan.Probe | None = None, will_create: Collection[str] = ()) -> plan.ServePlan:
     """The config's serve plan: its knobs plus what every server here shares (model, address, context length,
     Triton GDN prefill: no FlashInfer on the test machine) and, on a shared boot, the low utilization and the
-    profiler. A refusal of the plan is a PlanError, as for any other serve plan."""
-    knob_env = {"MODEL": str(ckpt), "HOST": "127.0.0.1", "PORT": str(port), "MAX_LEN": str(cfg.max_len),
-                "GDN_PREFILL": "triton", **cfg.knobs}
+    profiler. A refusal of the plan is a PlanError, as for any other serve plan. will_create: paths besides the
+    checkpoint that the caller makes before the server starts (a generated drafter)."""
+    knob_env = {"MODEL": str(ckpt), "HOST": "127.0.0.1", "PORT": str(port), "GDN_PREFILL": "triton", **cfg.knobs}
+    if cfg.max_len is not None:
+        knob_env["MAX_LEN"] = str(cfg.max_len)
     extra = list(cfg.extra_args)
     if cfg.shared_start:
         extra = ["--gpu-memory-utilization", str(SHARED_UTIL), "--profiler-config", profiler_config(traces), *extra]
     if extra:
         knob_env["EXTRA_ARGS"] = shlex.join(extra)
-    return plan.build(cfg.mode, knob_env, probe=probe, will_create={str(ckpt)})  # run_full generates it after planning
+    # run_full generates the checkpoint after planning
+    return plan.build(cfg.mode, knob_env, probe=probe, will_create={str(ckpt), *will_create})
 
 
 def without_flags(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
@@ -216,9 +219,9 @@ def without_flags(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
 
 
 def server_command(cfg: BenchConfig, *, python: str, ckpt: Path, port: int, traces: Path,
-                   probe: plan.Probe | None = None) -> ServerCommand:
+                   probe: plan.Probe | None = None, will_create: Collection[str] = ()) -> ServerCommand:
     """The vllm serve command of one config (module form: the test machine has no console script on PATH)."""
-    served = serve_plan(cfg, ckpt=ckpt, port=port, traces=traces, probe=probe)
+    served = serve_plan(cfg, ckpt=ckpt, port=port, traces=traces, probe=probe, will_create=will_create)
     if served.argv[:2] != ("vllm", "serve"):
         raise ValueError(f"the {cfg.mode} plan does not start with `vllm serve`: {served.argv[:2]}")
     env = {**(served.env if cfg.patched else {}), **SERVER_ENV}

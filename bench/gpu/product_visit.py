@@ -1,0 +1,764 @@
+"""The product's other plans on the scripted `full` checkpoint, in one GPU visit (issues #18, #20, #21, #23): the
+single-user and batch plans that never booted on a GPU (DFlash2 at 7 and 15 drafts with and without the lookup,
+CTX=long, CTX=huge, VISION=1, the two launchers' defaults), each built by the product's plan
+(bench.fullbench.server_command: `python -m qwen_serving.plan`'s argv) with its KV pool pinned to what the plan
+leaves on a 24 GB card (the plan's own pin for SPEC=dflash2, else the memory model's KV_MEM=auto on a headless
+24 GB card). Not run on a GPU yet.
+
+Order (what a budget cut leaves out last to first):
+1. every config boots (a boot is a Must-show): CONFIGS in priority order, packed first-fit into waves whose memory
+   estimate (weights + CUDA graphs + pinned pool + overhead, `memory_gib`) stays within BOUND_GIB; a later wave is
+   packed again from the boot facts of the servers already up (their measured weights and graphs per class);
+2. per server, one at a time, the cheap checks (CHEAP): the pool in tokens from the log against the memory model,
+   greedy answers (8 prompts x 512 tokens) against the designed chain and, within #18's group, token-identical
+   across LOOKUP, DFLASH_TOKENS and no speculation (visit 9's answers), api_smoke;
+3. the expensive parts (EXPENSIVE_ORDER): the 25k-token quote at DFLASH_TOKENS=15/7 and LOOKUP=0, the longest
+   request each long-context plan takes, the 1,000-request soaks, labd_soak, the residue sweeps, retrieval at depth.
+Before the next wave boots, a wave's cheap parts keep that wave's boot in reserve, its expensive parts the boot and
+the cheap parts of the waves still to come. What does not fit is listed under `skipped` with why.
+
+    python bench/gpu/product_visit.py OUT --site SITE --patched-site PATCHED [--budget-s S]
+    python bench/gpu/product_visit.py OUT --dry-run   # every wave's commands and the parts plan, nothing started
+
+OUT/product-visit.json is rewritten after every part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "gpu"), str(Path(__file__).resolve().parent)]
+
+import run_full  # noqa: E402
+import scripted_mtp as sm  # noqa: E402
+import smoke_lib  # noqa: E402
+
+from bench import fullbench as fb  # noqa: E402
+from bench import serving  # noqa: E402
+from qwen_serving import knobs as kn  # noqa: E402
+from qwen_serving import memory, plan  # noqa: E402
+
+REPORT = "product-visit.json"
+SCHEMA = "qwen-serving product-visit/1"
+GiB = memory.GiB
+# the card the pools are pinned for: a headless 24 GB card's free VRAM (docs/long-context.md's table)
+CARD_FREE = int(23.60 * GiB)
+DRAFTER_AGREE = 0.7  # scripted_dflash2's default --agree
+# Memory per server (GiB). Weights: visit 9's prepared-copy servers (bench/results/scripted-h200-mtp-run3.json,
+# boot_facts): 14.51 without MTP, 14.99 with it. The scripted drafter is bf16 at the target's width (5 layers,
+# ~1.7e9 parameters; the shipped W4A16 one is 1.19 GB). Graphs: 6.77 for the one speculating plan measured with the
+# verify-attention hook exported (visit 9, on FA3; the hook now stands aside there, not measured since), else the
+# memory model's 1.2 (every other server measured 0.11-0.39). Overhead: the memory model's 2 GiB activation peak and
+# 1 GiB of CUDA context and allocator slack.
+WEIGHTS_GIB = {"off": 14.51, "mtp": 14.99, "dflash2": 14.51}
+DRAFTER_GIB = 3.5
+GRAPHS_HOOKED_GIB = 6.77
+GRAPHS_GIB = memory.CUDAGRAPH_BYTES / GiB
+OVERHEAD_GIB = memory.ACTIVATION_PEAK_BYTES / GiB + 1.0
+BOUND_GIB = 134.0  # of the H200's 140.4 GiB
+HOOK_ENV = "VLLM_SPEC_DECODE_ATTN"
+# visit 9's answers without speculation on the same prepared copy (the checkpoint is deterministic: seed 0 and the
+# dials below), the baseline of "DFlash2 vs no speculation"
+BASELINE_REPORT = REPO / "bench" / "results" / "scripted-h200-mtp-run3.json"
+BASELINE_SERVER = "scripted-patched-plain"
+# time: estimates decide what is started, limits stop what runs long (s)
+BOOT_S = {"first": 330, "later": 260}  # visit 9: four servers up after 313 s with Triton cold
+STOP_S = 30
+LIMITS = {"synth": 420, "prepare": 420, "drafter": 300, "boot": 600, "greedy": 240, "api": 240, "quote25k": 240,
+          "max_request": 480, "soak": 200, "labd_soak": 240, "residue": 420, "retrieval": 480}
+ESTIMATES = {"greedy": 15, "api": 60, "quote25k": 60, "soak": 200, "labd_soak": 90, "residue": 240,
+             "retrieval": 420}
+MAX_REQUEST_TOK_S = 2500  # prefill rate the estimate of a max-length request assumes (no H200 figure at length)
+CHEAP = ("greedy", "api")  # the pool check reads the boot log: no request
+QUOTE_CTX = 25_000
+SOAK_BUDGET_S = 180
+SEGMENT = 64  # the max-length request's quote and answer (retrieval_depth's default segment)
+DEFAULT_BUDGET_S = 1200  # ~20 minutes of a 30-minute visit after staging
+
+
+@dataclass(frozen=True)
+class VisitConfig:
+    """One server: its plan (knobs, mode), the issues it serves, what it measures."""
+
+    name: str
+    mode: str
+    knobs: Mapping[str, str]
+    issues: tuple[str, ...]
+    what: str
+    cheap: tuple[str, ...] = ("greedy",)
+    raw_logits: bool = False  # --logprobs-mode raw_logits: the near-tie rule; api_smoke's logprob checks need it off
+
+    def bench_config(self) -> fb.BenchConfig:
+        extra = fb.RAW_LOGITS if self.raw_logits else ()
+        return fb.BenchConfig(f"product-{self.name}", True, dict(self.knobs), mode=self.mode, vllm_defaults=(),
+                              runs=(), max_len=None, extra_args=extra, what=self.what)
+
+
+def _dflash2(**more: str) -> dict[str, str]:
+    return {"SPEC": "dflash2", **more}  # DRAFT is the generated drafter (knobs_for)
+
+
+# Priority order: #18's DFlash2 group first (its greedy identity needs the three together), then the long-context
+# plans, the launchers' defaults, VISION=1, and what the issues ask least of.
+CONFIGS: tuple[VisitConfig, ...] = (
+    VisitConfig("dflash2", "single", _dflash2(), ("#18",), "the single-user plan with SPEC=dflash2 (7 drafts, lookup on)",
+                raw_logits=True),
+    VisitConfig("dflash2-k15", "single", _dflash2(DFLASH_TOKENS="15"), ("#18",),
+                "SPEC=dflash2 DFLASH_TOKENS=15: the long verify block the lookup fills", raw_logits=True),
+    VisitConfig("dflash2-lookup0", "single", _dflash2(LOOKUP="0"), ("#18",), "SPEC=dflash2 LOOKUP=0: the drafter alone",
+                raw_logits=True),
+    VisitConfig("dflash2-huge", "single", _dflash2(CTX="huge"), ("#20",),
+                "SPEC=dflash2 CTX=huge: int4 per-token-head KV on Triton, 245,760 tokens, the 4.90 GiB pin"),
+    VisitConfig("mtp-huge", "single", {"SPEC": "mtp", "CTX": "huge"}, ("#20",),
+                "SPEC=mtp CTX=huge: int4 per-token-head KV on Triton, 262,144 tokens, 3 drafts, PIECEWISE graphs"),
+    VisitConfig("single", "single", {}, ("#21",), "the single-user launcher's plan as shipped (MTP k=4, CTX=fast, tools)",
+                cheap=CHEAP),
+    VisitConfig("batch", "batch", {}, ("#21",), "the batch launcher's plan as shipped (W4A8 MLP, fp8 KV, 64 seats)",
+                cheap=CHEAP),
+    VisitConfig("dflash2-vision", "single", _dflash2(VISION="1"), ("#23",),
+                "SPEC=dflash2 VISION=1 (the tower streamed from host RAM)", cheap=CHEAP),
+    VisitConfig("mtp-vision", "single", {"VISION": "1"}, ("#23",), "SPEC=mtp VISION=1 (the tower streamed from host RAM)",
+                cheap=CHEAP),
+    VisitConfig("dflash2-long", "single", _dflash2(CTX="long"), ("#20",),
+                "SPEC=dflash2 CTX=long: int8 per-token-head KV on Triton, 131,072 tokens"),
+    VisitConfig("batch-int4pth", "batch", {"KV": "int4pth"}, ("#20",),
+                "the batch plan with KV=int4pth: int4 per-token-head KV on Triton, 262,144 tokens"),
+)
+BY_NAME = {c.name: c for c in CONFIGS}
+# What the issues ask that this visit does not try, and why (recorded in every report).
+NOT_TRIED = {
+    "CTX=long with SPEC=mtp or SPEC=off (the 150k request)": "the plan puts fp8 KV on FlashInfer there, and FlashInfer "
+    "is not staged on the test machine; CTX=long is tried with SPEC=dflash2 (int8 per-token-head on Triton), whose "
+    "plan caps max_model_len at 131,072",
+    "#19 the W4A16 DFlash2 drafter": "drafter/quantize.py --dflash2 needs the GPTQ quantization venv, which is not "
+    "staged offline; no round-to-nearest stand-in is built here",
+}
+# The expensive parts, in the order they run (within a wave: those of its servers).
+EXPENSIVE_ORDER: tuple[tuple[str, str], ...] = (
+    ("dflash2-k15", "quote25k"), ("dflash2-lookup0", "quote25k"), ("dflash2", "quote25k"),
+    ("dflash2-huge", "max_request"), ("mtp-huge", "max_request"), ("dflash2-long", "max_request"),
+    ("single", "soak"), ("batch", "soak"),
+    ("dflash2-k15", "labd_soak"),
+    ("dflash2", "residue"), ("mtp-huge", "residue"),
+    ("mtp-huge", "retrieval"), ("batch-int4pth", "max_request"),
+)
+# greedy comparisons (reference, other): each pair token-identical or measured near-ties (smoke_lib.compare_greedy)
+IDENTITY = (("dflash2", "dflash2-lookup0"), ("dflash2", "dflash2-k15"), (BASELINE_SERVER, "dflash2"))
+
+
+def log(msg: str) -> None:
+    print(f"[product {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------- plans and memory (standard library)
+
+
+def card_pool(vc: VisitConfig) -> int:
+    """KV_MEM=auto of the config's plan on a headless 24 GB card, after the first start (single-user: the fast
+    variant; batch: the base requantization): what the plan's own `explain` prints as `KV_MEM=auto would pin`."""
+    v = kn.Values.of(vc.mode, kn.resolve(vc.mode, {**vc.knobs, "KV_MEM": "auto"}))
+    spec = v.spec if vc.mode == "single" else "off"
+    vision, offload = bool(v.vision), (v.vision_offload_gib if v.vision and v.vision_offload else None)
+    weights = memory.weights_bytes(spec, fast_variant=vc.mode == "single", vision=vision, vision_offload_gib=offload)
+    batched = memory.PREFILL_CHUNK if vc.mode == "single" else plan.VLLM_BATCHED_TOKENS
+    encoder = memory.encoder_cache_bytes(batched, kn.VISION_IMAGE_TOKENS) if vision else 0
+    return memory.auto_kv_mem(CARD_FREE, weights, encoder_cache=encoder)
+
+
+def knobs_for(vc: VisitConfig, drafter: Path) -> dict[str, str]:
+    """The config's knobs as served: the generated drafter, and the pool the 24 GB plan leaves (the plan's own pin
+    where it has one: SPEC=dflash2)."""
+    out = dict(vc.knobs)
+    if out.get("SPEC") == "dflash2":
+        out["DRAFT"] = str(drafter)
+    settings = kn.resolve(vc.mode, out)
+    if settings["KV_MEM"].value == "":
+        out["KV_MEM"] = str(card_pool(vc))
+    return out
+
+
+@dataclass
+class Planned:
+    """One config rendered: its server command, or the plan's refusal."""
+
+    vc: VisitConfig
+    port: int
+    cmd: fb.ServerCommand | None = None
+    served: plan.ServePlan | None = None
+    refusal: str | None = None
+
+    @property
+    def spec(self) -> str:
+        return self.served.value("SPEC") if self.served and self.vc.mode == "single" else "off"
+
+    @property
+    def hooked(self) -> bool:
+        return bool(self.cmd) and self.cmd.env.get(HOOK_ENV) == "1" and self.spec != "off"
+
+    @property
+    def vision(self) -> bool:
+        return bool(self.served and self.served.value("VISION"))
+
+
+def render(args: argparse.Namespace, out: Path) -> list[Planned]:
+    """Every config through the plan, each on its own port (base_port + its index: never reused)."""
+    probe = plan.Probe.detect(REPO)
+    planned = []
+    for i, vc in enumerate(CONFIGS):
+        p = Planned(vc, args.base_port + i)
+        cfg = dataclasses.replace(vc.bench_config(), knobs=knobs_for(vc, args.drafter))
+        try:
+            p.served = fb.serve_plan(cfg, ckpt=args.prepared_ckpt, port=p.port, traces=out / f"traces-{vc.name}",
+                                     probe=probe, will_create={str(args.drafter)})
+            p.cmd = fb.server_command(cfg, python=args.python, ckpt=args.prepared_ckpt, port=p.port,
+                                      traces=out / f"traces-{vc.name}", probe=probe, will_create={str(args.drafter)})
+        except plan.PlanError as err:
+            p.refusal = str(err)
+        planned.append(p)
+    return planned
+
+
+def memory_gib(p: Planned, seen: Mapping[str, Mapping] | None = None) -> dict[str, float]:
+    """The server's GPU memory estimate; `seen` (booted servers' boot facts by class, see memory_classes) replaces
+    the weights and graphs estimates of its class with what those servers measured."""
+    seen = seen or {}
+    weights = WEIGHTS_GIB[p.spec] + (DRAFTER_GIB if p.spec == "dflash2" else 0.0)
+    if p.vision:
+        offload = p.served.value("VISION_OFFLOAD_GIB") if p.served.value("VISION_OFFLOAD") else None
+        weights += memory.vision_card_bytes(offload) / GiB
+    graphs = GRAPHS_HOOKED_GIB if p.hooked else GRAPHS_GIB
+    weights = seen.get(weights_class(p), {}).get("weights_gib", weights)
+    graphs = seen.get(graphs_class(p), {}).get("graph_capture_gib", graphs)
+    pool = (p.served.kv_mem or 0) / GiB
+    return {"weights": round(weights, 2), "graphs": round(graphs, 2), "pool": round(pool, 2),
+            "overhead": OVERHEAD_GIB, "total": round(weights + graphs + pool + OVERHEAD_GIB, 2)}
+
+
+def weights_class(p: Planned) -> str:
+    return f"weights {p.spec} vision={int(p.vision)}"
+
+
+def graphs_class(p: Planned) -> str:
+    return f"graphs {p.spec} hooked={int(p.hooked)} k={p.served.cache.spec_tokens if p.served.cache else 0}"
+
+
+def memory_classes(booted: Sequence[tuple[Planned, Mapping]]) -> dict[str, dict[str, float]]:
+    """From booted servers' boot facts: the largest weights and graphs measured per class."""
+    seen: dict[str, dict[str, float]] = {}
+    for p, facts in booted:
+        for cls, key in ((weights_class(p), "weights_gib"), (graphs_class(p), "graph_capture_gib")):
+            value = facts.get(key)
+            if isinstance(value, list):
+                value = sum(value)
+            if isinstance(value, int | float):
+                entry = seen.setdefault(cls, {})
+                entry[key] = max(entry.get(key, 0.0), float(value))
+    return seen
+
+
+def pack(planned: Sequence[Planned], bound: float = BOUND_GIB,
+         seen: Mapping[str, Mapping] | None = None) -> list[list[Planned]]:
+    """First fit in priority order: each config in the earliest wave its estimate fits into (so a config never
+    displaces one before it); a config larger than the bound alone is its own wave (and is recorded)."""
+    waves: list[list[Planned]] = []
+    used: list[float] = []
+    for p in planned:
+        need = memory_gib(p, seen)["total"]
+        for i in range(len(waves)):
+            if used[i] + need <= bound:
+                waves[i].append(p)
+                used[i] += need
+                break
+        else:
+            waves.append([p])
+            used.append(need)
+    return waves
+
+
+def pool_prediction(p: Planned) -> int | None:
+    """vLLM 0.28.0's 'GPU KV cache size' line as the memory model has it for this plan (the patched groups)."""
+    if not (p.served and p.served.cache and p.served.kv_mem):
+        return None
+    return p.served.cache.pool_tokens(p.served.kv_mem, max_len(p))
+
+
+def max_len(p: Planned) -> int:
+    argv = p.cmd.argv
+    return int(argv[argv.index("--max-model-len") + 1])
+
+
+# ---------------------------------------------------------------- the parts plan
+
+
+def parts_for(p: Planned) -> tuple[list[str], list[str]]:
+    """(cheap, expensive) part names of one server, each list in the order it runs."""
+    expensive = [part for name, part in EXPENSIVE_ORDER if name == p.vc.name]
+    return list(p.vc.cheap), expensive
+
+
+def estimate_s(p: Planned, part: str) -> float:
+    if part == "max_request":
+        return 60 + max_len(p) / MAX_REQUEST_TOK_S
+    return ESTIMATES[part]
+
+
+def limit_s(p: Planned, part: str) -> float:
+    if part == "max_request":
+        return min(LIMITS["max_request"], 2 * estimate_s(p, part))
+    return LIMITS[part]
+
+
+def cheap_s(wave: Sequence[Planned]) -> float:
+    return sum(estimate_s(p, part) for p in wave for part in p.vc.cheap)
+
+
+def wave_need_s(wave: Sequence[Planned], first: bool) -> float:
+    """Boot, cheap parts and stop of a wave."""
+    return BOOT_S["first" if first else "later"] + cheap_s(wave) + STOP_S
+
+
+def reserve_s(later: Sequence[Sequence[Planned]], left: float, cheap_only: bool) -> float:
+    """The time kept for the waves still to boot, one after the other as far as what is left covers their boots:
+    each one's boot and stop, and for an expensive part also its cheap parts, as far as they fit (a wave that
+    could not boot anyway keeps nothing)."""
+    kept = 0.0
+    for wave in later:
+        boot = BOOT_S["later"] + STOP_S
+        if kept + boot > left:
+            break
+        kept += boot
+        if not cheap_only:
+            kept += min(cheap_s(wave), left - kept)
+    return kept
+
+
+class Budget:
+    """The run's deadline on an injectable clock (tests drive a fake one)."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.t0 = clock()
+        self.deadline = self.t0 + seconds
+
+    def left(self) -> float:
+        return max(0.0, self.deadline - self.clock())
+
+    def within(self, limit: float) -> float:
+        return min(limit, self.left())
+
+
+# ---------------------------------------------------------------- measuring
+
+
+@dataclass
+class Context:
+    """What the parts need besides the server."""
+
+    args: argparse.Namespace
+    out: Path
+    env: Mapping[str, str]
+    prompts: list[dict] = field(default_factory=list)  # the greedy prompts (scripted_mtp's)
+
+
+def tool(ctx: Context, name: str, part: str, argv: Sequence[str], report: Path, timeout: float) -> dict:
+    """A bench tool as a child within `timeout`; its exit code, output tail and JSON report."""
+    with open(ctx.out / f"{name}-{part}.log", "w") as f:
+        try:
+            rc: int | str = subprocess.run([ctx.args.python, *argv], cwd=REPO, env=dict(ctx.env), stdout=f,
+                                           stderr=subprocess.STDOUT, timeout=max(1.0, timeout)).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    data = json.loads(report.read_text()) if report.is_file() else None
+    return {"rc": rc, "report": report.name if data is not None else None, "summary": summarize_tool(part, data),
+            "passed": rc == 0}
+
+
+def summarize_tool(part: str, data: dict | None) -> dict | None:
+    """The few figures of a tool's report that the visit report keeps (the whole report comes back beside it)."""
+    if data is None:
+        return None
+    if part == "api":
+        return {name: c["status"] for name, c in data["checks"].items()}
+    if part == "quote25k":
+        return {k: data.get("all", {}).get(k) for k in ("tokens_per_step", "decode_tok_s", "completion_tokens")} | {
+            "verdict": (data.get("tasks", {}).get("copy") or {}).get("verdict")}
+    if part in ("max_request", "retrieval", "residue"):
+        return data.get("summary")
+    if part == "soak":
+        return {k: data.get(k) for k in ("passed", "criteria", "counts") if k in data}
+    if part == "labd_soak":
+        return {k: data.get(k) for k in ("passed", "summary") if k in data}
+    return None
+
+
+def run_part(ctx: Context, p: Planned, url: str, part: str, timeout: float) -> dict:
+    name, ckpt, out = p.vc.name, str(ctx.args.prepared_ckpt), ctx.out
+    if part == "greedy":
+        client = serving.Client(url)
+        return sm.measure_greedy(client, fb.SERVED_NAME, [q["ids"] for q in ctx.prompts])
+    if part == "api":
+        report = out / f"{name}-api.json"
+        return tool(ctx, name, part, ["bench/api_smoke.py", "--url", url, "--json", str(report)], report, timeout)
+    if part == "quote25k":
+        return tool(ctx, name, part, ["bench/labd_bench.py", f"{name}-quote25k", "--url", url, "--scripted", ckpt,
+                                      "--ctx", str(QUOTE_CTX), "--tasks", "copy", "--out", str(out), "--force"],
+                    out / f"{name}-quote25k-labd.json", timeout)
+    if part == "labd_soak":
+        return tool(ctx, name, part, ["bench/labd_soak.py", name, "--url", url, "--scripted", ckpt, "--rounds", "3",
+                                      "--out", str(out), "--force"], out / f"{name}-labd-soak.json", timeout)
+    if part == "residue":
+        return tool(ctx, name, part, ["bench/residue_sweep.py", name, "--url", url, "--scripted", ckpt,
+                                      "--out", str(out), "--force"], out / f"{name}-residue.json", timeout)
+    if part == "soak":
+        report = out / f"{name}-soak.json"
+        return tool(ctx, name, part, ["bench/gpu/soak_visit.py", "--url", url, "--out", str(report), "--mode",
+                                      p.vc.mode, "--budget-s", str(int(min(SOAK_BUDGET_S, timeout - 10)))],
+                    report, timeout)
+    if part == "max_request":  # prompt and answer fill max_model_len; the quote deep in the prompt
+        prompt = max_len(p) - SEGMENT
+        return tool(ctx, name, part, ["bench/retrieval_depth.py", f"{name}-max", "--url", url, "--scripted", ckpt,
+                                      "--depths", "8192", "--prompt-tokens", str(prompt), "--followup-prefix", "0",
+                                      "--timeout", str(int(timeout)), "--out", str(out), "--force"],
+                    out / f"retrieval-{name}-max.json", timeout)
+    if part == "retrieval":
+        return tool(ctx, name, part, ["bench/retrieval_depth.py", name, "--url", url, "--scripted", ckpt,
+                                      "--timeout", str(int(timeout)), "--out", str(out), "--force"],
+                    out / f"retrieval-{name}.json", timeout)
+    raise ValueError(f"unknown part {part!r}")
+
+
+# ---------------------------------------------------------------- the run
+
+
+class Visit:
+    """Boots the waves, measures their servers one at a time, keeps the report. `boot(wave, limit_s)` returns each
+    server's (state, boot facts); `measure(planned, part, timeout_s)` one part's result; both injectable."""
+
+    def __init__(self, planned: Sequence[Planned], rec: sm.Record, budget: Budget,
+                 boot: Callable[[Sequence[Planned], float], dict[str, tuple[str, dict]]],
+                 measure: Callable[[Planned, str, float], dict], stop: Callable[[Sequence[Planned]], None],
+                 judge: Callable[[], None] = lambda: None):
+        self.rec, self.budget, self.boot_wave, self.measure_part, self.stop = rec, budget, boot, measure, stop
+        self.judge = judge
+        self.todo = [p for p in planned if p.cmd is not None]
+        self.booted: list[tuple[Planned, dict]] = []
+        data = rec.data
+        for key, default in (("servers", {}), ("measurements", {}), ("skipped", []), ("errors", {}),
+                             ("phases_s", {}), ("waves", [])):
+            data.setdefault(key, default)
+        for p in planned:
+            if p.refusal:
+                data["skipped"].append(f"{p.vc.name}: the plan refuses it: {p.refusal}")
+
+    def run(self) -> None:
+        index = 0
+        while self.todo:
+            waves = pack(self.todo, seen=memory_classes(self.booted))
+            wave, later = waves[0], waves[1:]
+            need = BOOT_S["first" if index == 0 else "later"]
+            if self.budget.left() < need:
+                for w in waves:
+                    self.rec.data["skipped"] += [f"{p.vc.name}: not booted ({self.budget.left():.0f} s left, a wave's "
+                                                 f"boot takes ~{need} s)" for p in w]
+                break
+            self.todo = [p for w in later for p in w]
+            self.rec.data["waves"].append({"servers": [p.vc.name for p in wave],
+                                           "estimate_gib": round(sum(memory_gib(p, memory_classes(self.booted))["total"]
+                                                                     for p in wave), 1)})
+            self.one_wave(wave, later, index)
+            index += 1
+        self.rec.save()
+
+    def one_wave(self, wave: list[Planned], later: list[list[Planned]], index: int) -> None:
+        t0 = self.budget.clock()
+        states = self.boot_wave(wave, self.budget.within(LIMITS["boot"]))
+        self.rec.data["phases_s"][f"boot wave {index}"] = round(self.budget.clock() - t0, 1)
+        up = []
+        for p in wave:
+            state, facts = states.get(p.vc.name, ("not started", {}))
+            self.rec.data["servers"][p.vc.name] = {**self.rec.data["servers"].get(p.vc.name, {}), "state": state,
+                                                   "boot_facts": facts, "wave": index}
+            self.rec.data["measurements"].setdefault(p.vc.name, {})["pool"] = pool_check(p, facts)
+            if state == "up":
+                up.append(p)
+                self.booted.append((p, facts))
+        self.rec.save()
+        try:
+            for p in up:  # 2. the cheap parts, keeping the next waves' boots
+                for part in p.vc.cheap:
+                    self.one_part(p, part, reserve_s(later, self.budget.left(), cheap_only=True))
+            names = {p.vc.name: p for p in up}
+            for name, part in EXPENSIVE_ORDER:  # 3. the expensive ones, keeping the next waves' boots and checks
+                if name in names:
+                    self.one_part(names[name], part, reserve_s(later, self.budget.left(), cheap_only=False))
+            for p in wave:
+                if p not in up:
+                    cheap, expensive = parts_for(p)
+                    self.rec.data["skipped"] += [f"{p.vc.name}: {part} (server {states.get(p.vc.name, ('?',))[0]})"
+                                                 for part in cheap + expensive]
+        finally:
+            self.stop(wave)
+            self.rec.save()
+
+    def one_part(self, p: Planned, part: str, reserve: float) -> None:
+        room = self.budget.left() - reserve
+        estimate = estimate_s(p, part)
+        if room < estimate:
+            self.rec.data["skipped"].append(f"{p.vc.name}: {part} (needs ~{estimate:.0f} s, {room:.0f} s left "
+                                            f"after {reserve:.0f} s kept for later waves)")
+            self.rec.save()
+            return
+        t0 = self.budget.clock()
+        m = self.rec.data["measurements"].setdefault(p.vc.name, {})
+        try:
+            m[part] = self.measure_part(p, part, min(limit_s(p, part), room))
+        except Exception as err:  # a failed part is recorded; the others still run
+            self.rec.data["errors"][f"{p.vc.name}: {part}"] = f"{type(err).__name__}: {str(err)[:1500]}"
+        self.judge()
+        self.rec.phase(f"{p.vc.name}: {part}", self.budget.clock() - t0)
+
+
+def pool_check(p: Planned, facts: Mapping) -> dict:
+    """The pool in tokens the log gives against the memory model's; bytes per token of the pinned pool."""
+    predicted, measured = pool_prediction(p), facts.get("kv_cache_tokens")
+    if isinstance(measured, list):  # one line per KV pool the log printed: the first is the engine's
+        measured = measured[0]
+    out: dict = {"kv_mem": p.served.kv_mem, "max_model_len": max_len(p), "predicted_tokens": predicted,
+                 "card_pool_24gb": card_pool(p.vc), "measured_tokens": measured}
+    if measured:
+        out["bytes_per_token"] = round(p.served.kv_mem / measured, 1)
+        out["passed"] = predicted == int(measured)
+    return out
+
+
+def judge(data: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], design, prompts: list[dict]) -> dict:
+    """Every check the measurements so far allow."""
+    checks: dict = {}
+    meas = data["measurements"]
+    expected = [sm.expected_chain(design, q["ids"]) for q in prompts] if design is not None else None
+    for name, server in data["servers"].items():
+        checks[f"{name}: boots"] = {"passed": server["state"] == "up", "state": server["state"]}
+        m = meas.get(name, {})
+        pool = m.get("pool") or {}
+        if "passed" in pool:
+            checks[f"{name}: pool tokens = memory model"] = pool
+        if name in traces and expected is not None:
+            checks[f"{name}: greedy answers are the designed chain"] = sm.chain_check(traces[name], expected)
+        for part in ("api", "quote25k", "max_request", "soak", "labd_soak", "residue", "retrieval"):
+            if m.get(part):
+                checks[f"{name}: {part}"] = {"passed": m[part]["passed"], **{k: v for k, v in m[part].items()
+                                                                            if k != "passed"}}
+    for ref, other in IDENTITY:
+        if ref in traces and other in traces:
+            comparison = smoke_lib.compare_greedy(traces[ref], traces[other])
+            checks[f"{other}: greedy token-identical to {ref}"] = {"passed": not comparison.unexplained,
+                                                                   **comparison.summary()}
+    pinned = {}
+    for name in ("dflash2", "dflash2-lookup0"):  # one cache shape, one pin: the same pool on two boots
+        tokens = (meas.get(name, {}).get("pool") or {}).get("measured_tokens")
+        if tokens:
+            pinned[name] = tokens
+    if len(pinned) == 2:
+        checks["KV_MEM pinning: the same pool on two boots"] = {"passed": len(set(pinned.values())) == 1, **pinned}
+    k15 = ((meas.get("dflash2-k15", {}).get("quote25k") or {}).get("summary") or {})
+    if k15.get("tokens_per_step") is not None:
+        against = {n: ((meas.get(n, {}).get("quote25k") or {}).get("summary") or {}).get("decode_tok_s")
+                   for n in ("dflash2", "dflash2-lookup0")}
+        checks["dflash2-k15: >= 13 tokens per step quoting 25k tokens"] = {
+            "passed": k15["tokens_per_step"] >= 13, **k15, "decode_tok_s_against": against}
+    return checks
+
+
+def baseline_traces(design_dials: Mapping) -> tuple[list[smoke_lib.GreedyTrace] | None, str]:
+    """Visit 9's greedy answers without speculation, when its checkpoint had these dials."""
+    try:
+        earlier = json.loads(BASELINE_REPORT.read_text())
+        answers = BASELINE_REPORT.with_suffix("") / f"{BASELINE_SERVER}-greedy.json.gz"
+        records = json.loads(gzip.decompress(answers.read_bytes()))
+    except (OSError, ValueError) as err:
+        return None, f"no baseline: {err}"
+    for dial in ("mtp_agree", "draft_coverage"):
+        if earlier["checkpoint"].get(dial) != design_dials.get(dial):
+            return None, f"no baseline: {BASELINE_REPORT.name} has {dial} {earlier['checkpoint'].get(dial)}"
+    return [smoke_lib.GreedyTrace.from_record(r) for r in records], f"{BASELINE_REPORT.name} ({earlier['date']})"
+
+
+def make_drafter(args: argparse.Namespace, env: Mapping[str, str], out: Path, budget: Budget) -> None:
+    if (args.drafter / "config.json").exists():
+        return
+    with open(out / "drafter.log", "w") as f:
+        subprocess.run([args.python, "-m", "qwen_serving.checkpoint.scripted_dflash2", str(args.ckpt), "--out",
+                        str(args.drafter), "--agree", str(DRAFTER_AGREE), "--seed", "0"], cwd=REPO, env=dict(env),
+                       check=True, timeout=budget.within(LIMITS["drafter"]) or 1, stdout=f, stderr=subprocess.STDOUT)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    budget = Budget(args.budget_s)
+    env = {**os.environ, **smoke_lib.DEVICE_ENV, "PYTHONPATH": os.pathsep.join([str(args.site), str(REPO)])}
+    rec = sm.Record(out / REPORT, {
+        "schema": SCHEMA, "date": datetime.now(UTC).isoformat(timespec="seconds"), "gpu": smoke_lib.gpu_description(),
+        "gpu_state_at_start": run_full.gpu_state(),
+        "versions": {"python": sys.version.split()[0], **smoke_lib.package_versions(smoke_lib.REPORTED_PACKAGES)},
+        "patches": sm.patch_state(args.patched_site, args.python, {**env, "PYTHONPATH": os.pathsep.join(
+            [str(args.patched_site), env["PYTHONPATH"]])}),
+        "checkpoint": {"dir": str(args.ckpt), "prepared_dir": str(args.prepared_ckpt), "drafter": str(args.drafter)},
+        "budget_s": args.budget_s, "limits_s": LIMITS, "estimates_s": ESTIMATES, "bound_gib": BOUND_GIB,
+        "not_tried": NOT_TRIED, "phases_s": {}, "servers": {}, "measurements": {}, "checks": {}, "skipped": [],
+        "errors": {}, "waves": []})
+    # 1. the checkpoint, its prepared copy and the drafter (the last two side by side, both on the CPU)
+    t0 = budget.clock()
+    args.agree, args.coverage = sm.DEFAULT_AGREE, sm.DEFAULT_COVERAGE
+    try:
+        rec.data["checkpoint"].update(sm.make_checkpoint(args, env, out, budget.within))
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            drafter = pool.submit(make_drafter, args, env, out, budget)
+            rec.data["checkpoint"]["prepared"] = sm.prepare_copy(args, env, out, budget.within)
+            drafter.result()
+    except (sm.CheckpointError, subprocess.SubprocessError, OSError) as err:
+        rec.data["errors"]["checkpoint"] = f"{type(err).__name__}: {err}"
+        rec.phase("checkpoint", budget.clock() - t0)
+        return 1
+    rec.phase("checkpoint, prepared copy, drafter", budget.clock() - t0)
+    from qwen_serving.checkpoint.scripted import Design
+
+    design = Design.read(args.ckpt)
+    prompts = sm.prompts_for(design, "greedy", sm.GREEDY_PROMPTS)
+    rec.data["checkpoint"].update(mtp_agree=design.mtp_agree)
+    traces: dict[str, list[smoke_lib.GreedyTrace]] = {}
+    base, source = baseline_traces(rec.data["checkpoint"])
+    rec.data["baseline"] = source
+    if base is not None:
+        traces[BASELINE_SERVER] = base
+    ctx = Context(args, out, env, prompts)
+    planned = render(args, out)
+    servers: dict[str, run_full.Server] = {}
+
+    def boot(wave: Sequence[Planned], limit: float) -> dict[str, tuple[str, dict]]:
+        for p in wave:
+            (out / f"traces-{p.vc.name}").mkdir(exist_ok=True)
+            s = servers[p.vc.name] = run_full.Server(p.vc.bench_config(), p.cmd, p.port,
+                                                     os.pathsep.join([str(args.patched_site), str(args.site)]),
+                                                     out / f"{p.vc.name}.server.log")
+            rec.data["servers"][p.vc.name] = {"cmd": f"PYTHONPATH={s.pythonpath} {p.cmd.shell()}", "port": p.port,
+                                              "what": p.vc.what, "issues": list(p.vc.issues),
+                                              "memory_estimate_gib": memory_gib(p)}
+            log(f"{p.vc.name}: starting on port {p.port}")
+            s.start()
+        rec.save()
+        run_full.wait_until_up([servers[p.vc.name] for p in wave], max(1.0, limit))
+        return {p.vc.name: (servers[p.vc.name].state, serving.boot_facts(servers[p.vc.name].log_text())) for p in wave}
+
+    def measure(p: Planned, part: str, timeout: float) -> dict:
+        log(f"{p.vc.name}: {part} (up to {timeout:.0f} s)")
+        result = run_part(ctx, p, servers[p.vc.name].url, part, timeout)
+        if part == "greedy":
+            records = result.pop("traces")
+            rec.keep_traces(p.vc.name, records)
+            traces[p.vc.name] = rec.traces[p.vc.name]
+        return result
+
+    def checks() -> None:
+        rec.data["checks"] = judge(rec.data, traces, design, prompts)
+
+    def stop(wave: Sequence[Planned]) -> None:
+        stopping = [(p.vc.name, servers[p.vc.name]) for p in wave if p.vc.name in servers]
+        with ThreadPoolExecutor(max_workers=max(1, len(stopping))) as pool:  # together: each may take its grace
+            list(pool.map(lambda item: item[1].stop(), stopping))
+        for name, s in stopping:
+            rec.data["servers"][name]["log_tail"] = s.log_tail(40)
+            smoke_lib.trim_to_tail(s.log_path, 8 << 20)
+
+    visit = Visit(planned, rec, budget, boot, measure, stop, checks)
+    try:
+        visit.run()
+    finally:
+        for s in servers.values():
+            s.stop()
+    rec.data["checks"] = judge(rec.data, traces, design, prompts)
+    rec.data["passed"] = bool(rec.data["checks"]) and all(c["passed"] for c in rec.data["checks"].values())
+    rec.phase("total", budget.clock() - budget.t0)
+    failed = [n for n, c in rec.data["checks"].items() if not c["passed"]]
+    log(f"checks: {len(rec.data['checks']) - len(failed)} passed, {len(failed)} failed"
+        + "".join(f"\n  FAILED {n}" for n in failed) + "".join(f"\n  skipped {s}" for s in rec.data["skipped"]))
+    return 0 if rec.data["passed"] and not rec.data["errors"] else 1
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """Every wave's server commands (as the static estimate packs them) and the parts plan, with the time each
+    part is estimated to take and its limit; the plan's refusals; what is not tried."""
+    planned = render(args, args.out.resolve())
+    for p in planned:
+        if p.refusal:
+            print(f"# {p.vc.name}: the plan refuses it: {p.refusal}")
+    total = 0.0
+    for i, wave in enumerate(pack([p for p in planned if p.cmd])):
+        gib = sum(memory_gib(p)["total"] for p in wave)
+        need = wave_need_s(wave, first=i == 0)
+        total += need
+        print(f"## wave {i}: {len(wave)} servers, ~{gib:.1f} of {BOUND_GIB} GiB, boot + cheap parts ~{need:.0f} s")
+        for p in wave:
+            est = memory_gib(p)
+            print(f"# {p.vc.name} (port {p.port}, {', '.join(p.vc.issues)}): {p.vc.what}; ~{est['total']} GiB "
+                  f"(weights {est['weights']}, graphs {est['graphs']}, pool {est['pool']}); max_model_len "
+                  f"{max_len(p):,}, pool {pool_prediction(p):,} tokens predicted")
+            print(f"PYTHONPATH={args.patched_site}:{args.site} {p.cmd.shell()}")
+            cheap, expensive = parts_for(p)
+            print("  parts: " + ", ".join(["pool", *(f"{x} ~{estimate_s(p, x):.0f}/{limit_s(p, x):.0f} s"
+                                                      for x in cheap + expensive)]))
+    expensive = sum(estimate_s(p, part) for p in planned if p.cmd for part in parts_for(p)[1])
+    print(f"## estimate: boots and cheap parts ~{total:.0f} s, expensive parts ~{expensive:.0f} s, budget "
+          f"{args.budget_s:.0f} s (checkpoint, prepared copy and drafter first, ~170 s)")
+    print("## expensive parts, in order: " + ", ".join(f"{n}:{part}" for n, part in EXPENSIVE_ORDER))
+    for what, why in NOT_TRIED.items():
+        print(f"# not tried: {what}: {why}")
+    return 0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", type=Path, help=f"where {REPORT} and the logs go")
+    p.add_argument("--site", type=Path, default=Path("/tmp/site"), help="the staged stock stack (default %(default)s)")
+    p.add_argument("--patched-site", type=Path, default=Path("/tmp/patched"),
+                   help="a folder holding the patched vllm package (default %(default)s)")
+    p.add_argument("--ckpt", type=Path, default=Path("/tmp/qwen-scripted-full"),
+                   help="the scripted full checkpoint, generated here if missing (default %(default)s)")
+    p.add_argument("--prepared-ckpt", type=Path, default=Path("/tmp/qwen-scripted-full-prepared"),
+                   help="the prepared copy every server serves, made here if missing (default %(default)s)")
+    p.add_argument("--drafter", type=Path, default=Path("/tmp/qwen-scripted-dflash2"),
+                   help="the scripted DFlash2 drafter, generated here if missing (default %(default)s)")
+    p.add_argument("--base-port", type=int, default=18100, help="config i listens on base + i")
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="the whole run (default %(default)s)")
+    p.add_argument("--dry-run", action="store_true", help="print the waves, commands and parts; start nothing")
+    args = p.parse_args(argv)
+    if not args.dry_run and not (args.patched_site / "vllm" / "__init__.py").is_file():
+        p.error(f"--patched-site {args.patched_site}: no vllm package there")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        return dry_run(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still stops the servers
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

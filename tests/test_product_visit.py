@@ -1,0 +1,278 @@
+"""bench/gpu/product_visit.py without a GPU: every config is a plan that vLLM 0.28.0's `vllm serve` parser takes, each
+pool is what the plan leaves on a 24 GB card, the waves keep within the memory bound in first-fit priority order on
+ports never reused, and the run (fake clock, fake servers) boots before it checks, checks before it measures at
+length, and skips what its budget cannot fit, saying why."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qwen_serving import knobs as kn
+from qwen_serving import memory, plan
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench" / "gpu"))
+import product_visit as pv  # noqa: E402
+import scripted_mtp as sm  # noqa: E402
+
+DRAFTER = Path("/tmp/drafter-for-test")
+
+
+def _args(**more) -> argparse.Namespace:
+    return argparse.Namespace(base_port=18100, site=Path("/s"), patched_site=Path("/p"), python="py",
+                              ckpt=Path("/ckpt/raw"), prepared_ckpt=Path("/ckpt/prepared"), drafter=DRAFTER, **more)
+
+
+@pytest.fixture(scope="module")
+def planned():
+    return pv.render(_args(), Path("/out"))
+
+
+def test_every_config_is_a_plan_vllm_serve_parses(planned, vllm_cli):
+    assert [p.vc.name for p in planned] == [c.name for c in pv.CONFIGS]
+    for p in planned:
+        assert p.refusal is None, (p.vc.name, p.refusal)
+        ns, ea = vllm_cli.serve(p.cmd.argv)
+        settings = kn.resolve(p.vc.mode, {**p.vc.knobs, **({"DRAFT": str(DRAFTER)} if "SPEC" in p.vc.knobs else {})})
+        # the plan's own context length and pool: its pin for SPEC=dflash2, else what KV_MEM=auto leaves on 24 GB
+        assert ea.max_model_len == settings["MAX_LEN"].value == pv.max_len(p), p.vc.name
+        pin = settings["KV_MEM"].value
+        assert ea.kv_cache_memory_bytes == p.served.kv_mem == (pin if pin != "" else pv.card_pool(p.vc)), p.vc.name
+        assert ea.max_num_seqs == settings["MAX_SEQS"].value
+        assert (ea.logprobs_mode == "raw_logits") == p.vc.raw_logits
+        assert ("api" in p.vc.cheap) <= (not p.vc.raw_logits)  # api_smoke reads logprobs as log-probabilities
+        assert ("--language-model-only" in p.cmd.argv) == (p.vc.knobs.get("VISION") != "1")
+        spec = ea.speculative_config
+        if p.spec == "dflash2":
+            assert spec["method"] == "dflash" and spec["model"] == str(DRAFTER)
+            assert spec["num_speculative_tokens"] == settings["DFLASH_TOKENS"].value
+            assert p.cmd.env[kn.LOOKUP_ENV] == str(settings["LOOKUP"].value)
+        elif p.spec == "mtp":
+            assert spec["num_speculative_tokens"] == settings["DRAFT_TOKENS"].value
+        else:
+            assert spec is None
+    names = {p.vc.name: p for p in planned}
+    assert names["mtp-huge"].served.value("CUDAGRAPH_MODE") == "PIECEWISE"
+    assert [vllm_cli.serve(names[n].cmd.argv)[1].max_model_len for n in ("dflash2-huge", "mtp-huge")] == [245_760,
+                                                                                                         262_144]
+
+
+def test_a_refused_combination_is_recorded_not_forced(monkeypatch):
+    bad = pv.VisitConfig("bad", "single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15", "LOOKUP": "0"}, ("#18",), "x")
+    monkeypatch.setattr(pv, "CONFIGS", (*pv.CONFIGS[:1], bad))
+    planned = pv.render(_args(), Path("/out"))
+    assert planned[1].cmd is None and "LOOKUP=1" in planned[1].refusal
+    rec = sm.Record(Path("/nonexistent/r.json"), {})
+    pv.Visit(planned, rec, pv.Budget(0), None, None, None)
+    assert any(s.startswith("bad: the plan refuses it:") for s in rec.data["skipped"])
+
+
+def test_card_pool_is_the_plans_own_auto_pool(tmp_path):
+    (tmp_path / kn.FAST_MODEL).mkdir(parents=True)
+    (tmp_path / kn.FAST_MODEL / "config.json").write_text("{}")  # a single-user checkout after its first start
+    card = plan.Probe(repo=tmp_path, free_vram=pv.CARD_FREE, total_vram=24 << 30, vram_source="test")
+    for vc in pv.CONFIGS:
+        built = plan.build(vc.mode, {**vc.knobs, "KV_MEM": "auto"}, probe=card)
+        assert built.kv_mem == pv.card_pool(vc), vc.name
+
+
+def test_waves_keep_within_the_bound_first_fit_in_priority_order(planned):
+    waves = pv.pack(planned)
+    flat = [p for w in waves for p in w]
+    assert sorted(p.vc.name for p in flat) == sorted(p.vc.name for p in planned)
+    ports = [p.port for p in planned]
+    assert len(set(ports)) == len(ports)
+    order = {p.vc.name: i for i, p in enumerate(planned)}
+    for i, wave in enumerate(waves):
+        assert sum(pv.memory_gib(p)["total"] for p in wave) <= pv.BOUND_GIB
+        assert [order[p.vc.name] for p in wave] == sorted(order[p.vc.name] for p in wave)
+        for p in wave:  # it is here because no earlier wave had room for it when its turn came
+            for earlier in waves[:i]:
+                before = sum(pv.memory_gib(q)["total"] for q in earlier if order[q.vc.name] < order[p.vc.name])
+                assert before + pv.memory_gib(p)["total"] > pv.BOUND_GIB
+    assert {p.vc.name for p in waves[0]} >= {"dflash2", "dflash2-k15", "dflash2-lookup0"}  # #18's group together
+    # measured boot facts re-pack what is left: small graphs leave room for more servers a wave
+    seen = pv.memory_classes([(p, {"weights_gib": 14.6, "graph_capture_gib": 0.4}) for p in planned])
+    assert len(pv.pack(planned, seen=seen)[0]) > len(waves[0])
+    assert all(pv.memory_gib(p, seen)["graphs"] == 0.4 for p in planned)
+
+
+def test_dry_run_prints_every_wave_and_the_parts_plan(tmp_path):
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "product_visit.py"), str(tmp_path / "o"),
+                          "--dry-run", "--drafter", str(DRAFTER)], capture_output=True, text=True, timeout=120,
+                         cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    names = re.findall(r"^# (\S+) \(port (\d+)", res.stdout, flags=re.M)
+    assert sorted(n for n, _ in names) == sorted(c.name for c in pv.CONFIGS)
+    assert len({port for _, port in names}) == len(names)
+    assert len(re.findall(r"^PYTHONPATH=/tmp/patched:/tmp/site .* serve ", res.stdout, flags=re.M)) == len(names)
+    assert res.stdout.count("  parts: pool") == len(names) and "## expensive parts, in order:" in res.stdout
+    assert res.stdout.count("# not tried:") == len(pv.NOT_TRIED) and not (tmp_path / "o").exists()
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _visit(planned, budget_s: float, boot_facts=None):
+    """A Visit on a fake clock: a boot takes the estimate's seconds, each part its estimate; every call logged."""
+    clock, calls, rec = FakeClock(), [], sm.Record(Path("/dev/null"), {})
+    rec.save = lambda: None
+    busy = []
+
+    def boot(wave, limit):
+        clock.now += min(limit, pv.BOOT_S["first" if not calls else "later"])
+        calls.append(("boot", tuple(p.vc.name for p in wave)))
+        return {p.vc.name: ("up", dict(boot_facts or {})) for p in wave}
+
+    def measure(p, part, timeout):
+        assert not busy, "two measurements at once"
+        busy.append(part)
+        assert timeout <= pv.limit_s(p, part)
+        clock.now += pv.estimate_s(p, part)
+        calls.append((p.vc.name, part))
+        busy.pop()
+        return {"passed": True}
+
+    visit = pv.Visit(planned, rec, pv.Budget(budget_s, clock), boot, measure, lambda wave: calls.append(("stop",)))
+    visit.run()
+    return calls, rec.data
+
+
+def test_a_generous_budget_runs_everything_boots_first_then_cheap_then_expensive(planned):
+    calls, data = _visit(planned, 100_000)
+    assert not data["skipped"]
+    waves = [c[1] for c in calls if c[0] == "boot"]
+    assert [n for w in waves for n in w] and sorted(n for w in waves for n in w) == sorted(p.vc.name for p in planned)
+    by_name = {p.vc.name: p for p in planned}
+    for wave in waves:  # each wave: its boot, every cheap part, then its expensive parts in EXPENSIVE_ORDER, a stop
+        at = calls.index(("boot", wave))
+        end = calls.index(("stop",), at)
+        parts = calls[at + 1:end]
+        cheap = [(n, part) for n in wave for part in by_name[n].vc.cheap]
+        expensive = [(n, part) for n, part in pv.EXPENSIVE_ORDER if n in wave]
+        assert parts == cheap + expensive
+    assert all(data["measurements"][p.vc.name]["pool"]["kv_mem"] == p.served.kv_mem for p in planned)
+
+
+def test_a_short_budget_keeps_later_boots_and_says_what_it_skipped(planned):
+    first = pv.pack(planned)[0]
+    # room for the first wave's boot and cheap parts and the second wave's boot, not for any expensive part
+    budget = pv.wave_need_s(first, True) + pv.BOOT_S["later"] + pv.STOP_S + 20
+    calls, data = _visit(planned, budget)
+    boots = [c for c in calls if c[0] == "boot"]
+    assert len(boots) == 2 and boots[0][1] == tuple(p.vc.name for p in first)
+    assert not [c for c in calls if c[0] != "boot" and len(c) == 2 and c[1] not in pv.CHEAP]  # no expensive part ran
+    expensive = [s for s in data["skipped"] if "kept for later waves" in s or "s left" in s]
+    assert any(s.startswith("dflash2-k15: quote25k (needs ~") for s in expensive)
+    not_booted = [s for s in data["skipped"] if "not booted" in s]
+    assert not_booted and not set(boots[1][1]) & {s.split(":")[0] for s in not_booted}
+    # nothing at all fits: every server listed as not booted
+    calls, data = _visit(planned, pv.BOOT_S["first"] - 1)
+    assert calls == [] and len([s for s in data["skipped"] if "not booted" in s]) == len(planned)
+
+
+def test_repacking_from_boot_facts_boots_more_a_wave(planned):
+    calls, _ = _visit(planned, 100_000, boot_facts={"weights_gib": 15.0, "graph_capture_gib": 0.4})
+    static = pv.pack(planned)
+    boots = [c[1] for c in calls if c[0] == "boot"]
+    # the first wave as the estimate packs it; the second holds more, its classes' graphs measured small
+    assert boots[0] == tuple(p.vc.name for p in static[0]) and len(boots[1]) > len(static[1])
+
+
+def test_judge_pins_identity_and_the_long_block(planned):
+    facts = {p.vc.name: p for p in planned}
+    data = {"servers": {n: {"state": "up"} for n in ("dflash2", "dflash2-lookup0", "dflash2-k15")},
+            "measurements": {}}
+    for name, tokens in (("dflash2", 69_369), ("dflash2-lookup0", 69_000)):
+        data["measurements"][name] = {"pool": pv.pool_check(facts[name], {"kv_cache_tokens": tokens})}
+    data["measurements"]["dflash2-k15"] = {"quote25k": {"passed": True, "summary": {"tokens_per_step": 12.5}}}
+    checks = pv.judge(data, {}, None, [])
+    assert checks["KV_MEM pinning: the same pool on two boots"]["passed"] is False
+    assert checks["dflash2: pool tokens = memory model"]["passed"] == (pv.pool_prediction(facts["dflash2"]) == 69_369)
+    assert checks["dflash2-k15: >= 13 tokens per step quoting 25k tokens"]["passed"] is False
+    data["measurements"]["dflash2-k15"]["quote25k"]["summary"]["tokens_per_step"] = 13.2
+    assert pv.judge(data, {}, None, [])["dflash2-k15: >= 13 tokens per step quoting 25k tokens"]["passed"]
+
+
+def test_memory_estimates_follow_the_plan(planned):
+    by = {p.vc.name: p for p in planned}
+    assert pv.memory_gib(by["dflash2"])["pool"] == round(kn.KV_MEM_PINNED / memory.GiB, 2)
+    assert pv.memory_gib(by["dflash2-huge"])["pool"] == round(kn.KV_MEM_PINNED_HUGE / memory.GiB, 2)
+    assert by["dflash2"].hooked and not by["dflash2-huge"].hooked  # SPEC_ATTN=1 on CTX=fast only
+    assert pv.memory_gib(by["dflash2-vision"])["weights"] > pv.memory_gib(by["dflash2"])["weights"]
+    assert dataclasses.replace(by["batch"]).spec == "off"
+
+
+def test_the_run_wires_boot_measure_stop_and_the_report(tmp_path, monkeypatch):
+    """pv.run end to end with its children faked: servers that come up at once with the predicted pool in their log,
+    greedy answers that are visit 9's baseline (so every identity check has real traces), tools that pass."""
+    import gzip
+    import json
+
+    from qwen_serving.checkpoint import scripted
+
+    baseline = json.loads(gzip.decompress((pv.BASELINE_REPORT.with_suffix("") /
+                                           f"{pv.BASELINE_SERVER}-greedy.json.gz").read_bytes()))
+    design = argparse.Namespace(mtp_agree=sm.DEFAULT_AGREE)
+    monkeypatch.setattr(scripted.Design, "read", staticmethod(lambda path: design))
+    monkeypatch.setattr(sm, "make_checkpoint", lambda *a: {"draft_coverage": sm.DEFAULT_COVERAGE})
+    monkeypatch.setattr(sm, "prepare_copy", lambda *a: {"steps_s": {}})
+    monkeypatch.setattr(sm, "patch_state", lambda *a: {})
+    monkeypatch.setattr(sm, "prompts_for", lambda d, kind, n: [{"ids": [i]} for i in range(n)])
+    monkeypatch.setattr(sm, "expected_chain", lambda d, ids: baseline[ids[0]]["token_ids"])  # prompt i's answer
+    monkeypatch.setattr(pv, "make_drafter", lambda *a: None)
+    rendered = {p.vc.name: p for p in pv.render(_args(), tmp_path)}
+    stopped = []
+
+    class FakeServer:
+        def __init__(self, cfg, cmd, port, pythonpath, log_path):
+            self.cfg, self.port, self.pythonpath, self.url = cfg, port, pythonpath, "u"
+            self.name = cfg.name.removeprefix("product-")
+            self.log_path, self.state = log_path, "new"
+            log_path.write_text(f"GPU KV cache size: {pv.pool_prediction(rendered[self.name]):,} tokens\n")
+
+        def start(self):
+            self.state = "starting"
+
+        def poll(self):
+            self.state = "up" if self.state == "starting" else self.state
+            return self.state
+
+        def stop(self, grace_s=60):
+            stopped.append(self.name)
+
+        def log_text(self):
+            return self.log_path.read_text()
+
+        def log_tail(self, lines=60):
+            return self.log_text()
+
+    def part(ctx, p, url, name, timeout):
+        if name == "greedy":
+            return {"seconds": 1.0, "traces": baseline}
+        return {"rc": 0, "passed": True, "summary": {"tokens_per_step": 13.5} if name == "quote25k" else None}
+
+    monkeypatch.setattr(pv.run_full, "Server", FakeServer)
+    monkeypatch.setattr(pv, "run_part", part)
+    args = _args(out=tmp_path / "out", budget_s=100_000.0, dry_run=False)
+    assert pv.run(args) == 0
+    data = json.loads((tmp_path / "out" / pv.REPORT).read_text())
+    assert data["passed"] and not data["errors"] and not data["skipped"]
+    assert set(stopped) == set(rendered) and data["baseline"].startswith(pv.BASELINE_REPORT.name)
+    checks = data["checks"]
+    assert all(checks[f"{n}: boots"]["passed"] and checks[f"{n}: pool tokens = memory model"]["passed"] for n in rendered)
+    assert checks["dflash2: greedy token-identical to scripted-patched-plain"]["passed"]
+    assert checks["KV_MEM pinning: the same pool on two boots"]["passed"]
+    assert (tmp_path / "out" / "dflash2-greedy.json").is_file()

@@ -98,10 +98,11 @@ def test_waves_keep_within_the_bound_first_fit_in_priority_order(planned):
                 before = sum(pv.memory_gib(q)["total"] for q in earlier if order[q.vc.name] < order[p.vc.name])
                 assert before + pv.memory_gib(p)["total"] > pv.BOUND_GIB
     assert {p.vc.name for p in waves[0]} >= {"dflash2", "dflash2-k15", "dflash2-lookup0"}  # #18's group together
-    # measured boot facts re-pack what is left: small graphs leave room for more servers a wave
-    seen = pv.memory_classes([(p, {"weights_gib": 14.6, "graph_capture_gib": 0.4}) for p in planned])
-    assert len(pv.pack(planned, seen=seen)[0]) > len(waves[0])
-    assert all(pv.memory_gib(p, seen)["graphs"] == 0.4 for p in planned)
+    # measured boot facts re-pack what is left: graphs that read large (vLLM's figure beside other booting servers)
+    # leave room for fewer servers a wave
+    seen = pv.memory_classes([(p, {"weights_gib": 14.6, "graph_capture_gib": 7.0}) for p in planned])
+    assert len(pv.pack(planned, seen=seen)[0]) < len(waves[0])
+    assert all(pv.memory_gib(p, seen)["graphs"] == 7.0 for p in planned)
 
 
 def test_dry_run_prints_every_wave_and_the_parts_plan(tmp_path):
@@ -183,12 +184,12 @@ def test_a_short_budget_keeps_later_boots_and_says_what_it_skipped(planned):
     assert calls == [] and len([s for s in data["skipped"] if "not booted" in s]) == len(planned)
 
 
-def test_repacking_from_boot_facts_boots_more_a_wave(planned):
-    calls, _ = _visit(planned, 100_000, boot_facts={"weights_gib": 15.0, "graph_capture_gib": 0.4})
+def test_repacking_from_boot_facts_boots_fewer_a_wave(planned):
+    calls, _ = _visit(planned, 100_000, boot_facts={"weights_gib": 15.0, "graph_capture_gib": 7.0})
     static = pv.pack(planned)
     boots = [c[1] for c in calls if c[0] == "boot"]
-    # the first wave as the estimate packs it; the second holds more, its classes' graphs measured small
-    assert boots[0] == tuple(p.vc.name for p in static[0]) and len(boots[1]) > len(static[1])
+    # the first wave as the estimate packs it; the second holds fewer, its classes' graphs measured large
+    assert boots[0] == tuple(p.vc.name for p in static[0]) and len(boots[1]) < len(static[1])
 
 
 def test_judge_pins_identity_and_the_long_block(planned):
@@ -210,7 +211,6 @@ def test_memory_estimates_follow_the_plan(planned):
     by = {p.vc.name: p for p in planned}
     assert pv.memory_gib(by["dflash2"])["pool"] == round(kn.KV_MEM_PINNED / memory.GiB, 2)
     assert pv.memory_gib(by["dflash2-huge"])["pool"] == round(kn.KV_MEM_PINNED_HUGE / memory.GiB, 2)
-    assert by["dflash2"].hooked and not by["dflash2-huge"].hooked  # SPEC_ATTN=1 on CTX=fast only
     assert pv.memory_gib(by["dflash2-vision"])["weights"] > pv.memory_gib(by["dflash2"])["weights"]
     assert dataclasses.replace(by["batch"]).spec == "off"
 

@@ -60,17 +60,15 @@ CARD_FREE = int(23.60 * GiB)
 DRAFTER_AGREE = 0.7  # scripted_dflash2's default --agree
 # Memory per server (GiB). Weights: visit 9's prepared-copy servers (bench/results/scripted-h200-mtp-run3.json,
 # boot_facts): 14.51 without MTP, 14.99 with it. The scripted drafter is bf16 at the target's width (5 layers,
-# ~1.7e9 parameters; the shipped W4A16 one is 1.19 GB). Graphs: 6.77 for the one speculating plan measured with the
-# verify-attention hook exported (visit 9, on FA3; the hook now stands aside there, not measured since), else the
-# memory model's 1.2 (every other server measured 0.11-0.39). Overhead: the memory model's 2 GiB activation peak and
-# 1 GiB of CUDA context and allocator slack.
+# ~1.7e9 parameters; the shipped W4A16 one is 1.19 GB). Graphs: the memory model's 1.2 (the servers measured 0.11-0.39
+# where no other server allocated during their capture; vLLM's figure is a free-memory difference of the whole GPU,
+# so a server booted beside others can read 7 GiB: bench/README.md, fourth scripted run). Overhead: the memory
+# model's 2 GiB activation peak and 1 GiB of CUDA context and allocator slack.
 WEIGHTS_GIB = {"off": 14.51, "mtp": 14.99, "dflash2": 14.51}
 DRAFTER_GIB = 3.5
-GRAPHS_HOOKED_GIB = 6.77
 GRAPHS_GIB = memory.CUDAGRAPH_BYTES / GiB
 OVERHEAD_GIB = memory.ACTIVATION_PEAK_BYTES / GiB + 1.0
 BOUND_GIB = 134.0  # of the H200's 140.4 GiB
-HOOK_ENV = "VLLM_SPEC_DECODE_ATTN"
 # visit 9's answers without speculation on the same prepared copy (the checkpoint is deterministic: seed 0 and the
 # dials below), the baseline of "DFlash2 vs no speculation"
 BASELINE_REPORT = REPO / "bench" / "results" / "scripted-h200-mtp-run3.json"
@@ -206,10 +204,6 @@ class Planned:
         return self.served.value("SPEC") if self.served and self.vc.mode == "single" else "off"
 
     @property
-    def hooked(self) -> bool:
-        return bool(self.cmd) and self.cmd.env.get(HOOK_ENV) == "1" and self.spec != "off"
-
-    @property
     def vision(self) -> bool:
         return bool(self.served and self.served.value("VISION"))
 
@@ -240,7 +234,7 @@ def memory_gib(p: Planned, seen: Mapping[str, Mapping] | None = None) -> dict[st
     if p.vision:
         offload = p.served.value("VISION_OFFLOAD_GIB") if p.served.value("VISION_OFFLOAD") else None
         weights += memory.vision_card_bytes(offload) / GiB
-    graphs = GRAPHS_HOOKED_GIB if p.hooked else GRAPHS_GIB
+    graphs = GRAPHS_GIB
     weights = seen.get(weights_class(p), {}).get("weights_gib", weights)
     graphs = seen.get(graphs_class(p), {}).get("graph_capture_gib", graphs)
     pool = (p.served.kv_mem or 0) / GiB
@@ -253,7 +247,7 @@ def weights_class(p: Planned) -> str:
 
 
 def graphs_class(p: Planned) -> str:
-    return f"graphs {p.spec} hooked={int(p.hooked)} k={p.served.cache.spec_tokens if p.served.cache else 0}"
+    return f"graphs {p.spec} k={p.served.cache.spec_tokens if p.served.cache else 0}"
 
 
 def memory_classes(booted: Sequence[tuple[Planned, Mapping]]) -> dict[str, dict[str, float]]:

@@ -112,8 +112,8 @@ SWEEP_SERVER_S = 60  # a sweep server's greedy, sampled and C1 parts
 # the sweep's boot order, by k: a budget that ends a sweep early leaves whole stock-beside-ours pairs; k=3 first,
 # the drafts of CTX=long and CTX=huge
 SWEEP_ORDER = (3, 2, 5, 7, 1)
-# servers booted together: four of our MTP servers and their pools fit the H200 (visit 9: 15 GiB of weights and
-# 6.8 GiB of CUDA graphs each); five would need about all of its memory
+# servers booted together: four MTP servers and their pools fit the H200 (visit 10: about 113 GiB of its 140 in use,
+# 15-17.6 GiB of weights each); a fifth would not
 WAVE_SERVERS = 4
 # what --from-run takes from an earlier run by default: the first-wave servers whose code the sampler change after
 # visit 9 left alone (the single-user plan's MTP server is booted again)

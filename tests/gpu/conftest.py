@@ -202,7 +202,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if item.path.resolve().parent == HERE:
-        _outcomes[item.name] = lib.merge_outcome(_outcomes.get(item.name), report.outcome)
+        _outcomes[item.name] = lib.merge_outcome(_outcomes.get(item.name), report.when, report.outcome)
 
 
 def _patch_series_state() -> dict:

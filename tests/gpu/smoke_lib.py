@@ -442,11 +442,16 @@ def _judge(prompt: int, position: int, a: GreedyTrace, b: GreedyTrace, noise: fl
 # Result JSON
 
 
-_OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2}
+_OUTCOME_RANK = {"passed": 0, "unfinished": 1, "skipped": 2, "failed": 3}
 
 
-def merge_outcome(previous: str | None, outcome: str) -> str:
-    """Fold pytest's setup/call/teardown outcomes into one: failed beats skipped beats passed."""
+def merge_outcome(previous: str | None, when: str, outcome: str) -> str:
+    """Fold pytest's setup/call/teardown reports into one: failed beats skipped beats passed, and a test whose
+    setup passed stays "unfinished" until its call passes (a run stopped mid-test leaves no call report)."""
+    if outcome == "passed":
+        outcome = {"setup": "unfinished", "call": "passed"}.get(when, previous or "passed")
+        if when == "call" and previous == "unfinished":
+            return outcome
     return max(previous or "passed", outcome, key=_OUTCOME_RANK.__getitem__)
 
 

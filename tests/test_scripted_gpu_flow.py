@@ -14,6 +14,7 @@ import dataclasses
 import gzip
 import http.server
 import json
+import os
 import random
 import re
 import sys
@@ -117,6 +118,11 @@ def test_waves_boot_at_most_four_servers_each(tmp_path):
     assert full[1][0].cfg.name == "scripted-patched-mtp4-fa2"
     later = sm.waves(args, tmp_path, taken=sm.FROM_RUN_SERVERS)
     assert [len(w) for w in later] == [4, 4, 4]
+    # servers taken from an earlier run are not booted again, wherever they stand in the order
+    taken = (*sm.FROM_RUN_SERVERS, "scripted-patched-mtp4", "scripted-patched-mtp4-fa2", "scripted-patched-mtp3",
+             "scripted-stock-mtp3")
+    rest = [s.cfg.name for w in sm.waves(args, tmp_path, taken=taken) for s in w]
+    assert rest == [f"scripted-{which}-mtp{k}" for k in sm.SWEEP_ORDER[1:] for which in ("patched", "stock")]
     # a budget that stops after the first wave still leaves one k measured on both stacks
     k = sm.SWEEP_ORDER[0]
     assert [s.cfg.name for s in later[0]] == ["scripted-patched-mtp4", "scripted-patched-mtp4-fa2",
@@ -510,20 +516,38 @@ def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, 
     for name in fakes:
         answers = (tmp_path / f"{name}-greedy.json").read_bytes()
         (kept.with_suffix("") / f"{name}-greedy.json.gz").write_bytes(gzip.compress(answers))
+    sampled = sorted(rec.samples)
+    for name in sampled:  # the chi-square samples travel too: their rows are computed in the later run
+        samples = (tmp_path / f"{name}-chisq-samples.json").read_bytes()
+        (kept.with_suffix("") / f"{name}-chisq-samples.json.gz").write_bytes(gzip.compress(samples))
     later = sm.start_record(tmp_path / "later" / sm.REPORT, args, {"PYTHONPATH": str(REPO)})
     later.data["checkpoint"].update(mtp_agree=0.76, draft_coverage=0.9)
     later.data["prediction"] = later.data["prediction_prepared"] = prediction
-    assert sm.take_first_wave(later, kept, list(fakes)) == list(fakes)
+    assert sm.take_servers(later, kept, list(fakes)) == list(fakes)
     assert later.data["from_run"]["servers"] == list(fakes) and set(later.traces) == set(fakes)
     assert later.data["measurements"]["scripted-stock"]["from_run"].startswith("scripted-h200-mtp-run9.json")
+    assert sorted(later.samples) == sampled and later.samples == rec.samples
+    assert all((tmp_path / "later" / f"{name}-chisq-samples.json").is_file() for name in sampled)  # for the child
     sm.finish(later, design, greedy)
     chisq = {name for name in checks if "chi-square" in name}
-    assert later.data["checks"].keys() == checks.keys() - chisq
+    assert later.data["checks"].keys() == checks.keys() - chisq  # no rows yet
+    later.rows.update(rec.rows)
+    sm.finish(later, design, greedy)
+    assert later.data["checks"].keys() == checks.keys()
+    assert {n: c["passed"] for n, c in later.data["checks"].items() if n in chisq} == {
+        n: checks[n]["passed"] for n in chisq}
     assert {r["from_run"] for r in sm.sweep_table(later.data["measurements"])} == {
         later.data["measurements"]["scripted-stock"]["from_run"]}
     later.data["checkpoint"]["draft_coverage"] = 0.5
     with pytest.raises(sm.CheckpointError, match="draft_coverage"):
-        sm.take_first_wave(later, kept, list(fakes))
+        sm.take_servers(later, kept, list(fakes))
+    # a measurement the earlier run took from another keeps that origin
+    later.data["checkpoint"]["draft_coverage"] = 0.9
+    earlier = json.loads(kept.read_text())
+    earlier["measurements"]["scripted-stock"]["from_run"] = "run8"
+    kept.write_text(json.dumps(earlier))
+    assert sm.take_servers(later, kept, ["scripted-stock"]) == ["scripted-stock"]
+    assert later.data["measurements"]["scripted-stock"]["from_run"] == "run8"
     # reference x2 (each stack's files); chain x4; identity, logits, greedy walk x2 (each against its own stack's
     # plain server); sampled x2; chi-square x2; prefix x2
     assert len(checks) == 2 + 4 + 2 * 3 + 2 + 2 + 2
@@ -566,3 +590,35 @@ def test_logit_agreement_counts_steps_at_the_rows_scale():
     assert result["max_diff_bf16_ulps"] == pytest.approx(1.0)  # the floor logit: one step at its own value
     moved = dataclasses.replace(plain, top=[{t: 2.0, 5: 0.47, 7: -11.8125} for t in chain])  # 4.5 steps at 2.0
     assert sm.logit_agreement([plain], [moved])["over_count"] == 3
+
+
+def test_the_chisq_rows_child_gives_the_reference_rows_or_says_why_not(tiny, tmp_path):
+    """The --chisq-rows child as the run starts it (here on the CPU, the tiny checkpoint): its rows are the
+    reference's own position_rows; a child that fails leaves the reason under errors and no rows."""
+    design = scripted.Design.read(tiny)
+    prompts = [design.walk(design.active[0], 5), design.walk(design.active[7], 5)]
+    samples = [design.walk(prompts[0][-1], 3)[1:], design.walk(prompts[1][-1], 3)[1:]]
+    args = argparse.Namespace(python=sys.executable, ckpt=tiny, prepared_ckpt=tiny, device="cpu", patched_site=None,
+                              agree=0.76, coverage=COVERAGE, budget_s=sm.DEFAULT_BUDGET_S)
+    rec = sm.start_record(tmp_path / sm.REPORT, args, {"PYTHONPATH": str(REPO)})
+    name = "scripted-patched-mtp4"
+    rec.keep_samples(name, prompts, samples)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    sm.take_chisq_rows(rec, tmp_path, name, sm.chisq_rows_child(name, tmp_path, env, args), 300, 0.0)
+    assert not rec.data["errors"], rec.data["errors"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = sc.position_rows(Reference(tiny), prompts, samples)
+    finally:
+        torch.set_num_threads(threads)
+    got = rec.rows[name]
+    assert [len(seq) for seq in got] == [len(seq) for seq in want] == [3, 3]
+    for seq_got, seq_want in zip(got, want, strict=True):
+        for row_got, row_want in zip(seq_got, seq_want, strict=True):
+            assert row_got.keys() == row_want.keys()
+            assert all(abs(row_got[t] - row_want[t]) < 1e-6 for t in row_want)
+    # a child whose samples file is missing fails: the error is recorded, the rows stay unset
+    other = "scripted-stock"
+    sm.take_chisq_rows(rec, tmp_path, other, sm.chisq_rows_child(other, tmp_path, env, args), 300, 0.0)
+    assert other not in rec.rows and f"{other}: chisq rows" in rec.data["errors"]

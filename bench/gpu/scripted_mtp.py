@@ -612,12 +612,12 @@ def build_servers(args: argparse.Namespace, out: Path, configs: Sequence[fb.Benc
 
 
 def waves(args: argparse.Namespace, out: Path, taken: Sequence[str] = ()) -> list[list[run_full.Server]]:
-    """The first wave's servers (less those --from-run took from an earlier run), then the variants', then the
-    sweep's in SWEEP_ORDER, each k's pair together (the single-user plan's, then stock's), booted WAVE_SERVERS at a
+    """The first wave's servers, then the variants', then the sweep's in SWEEP_ORDER, each k's pair together (the
+    single-user plan's, then stock's), less those --from-run took from an earlier run, booted WAVE_SERVERS at a
     time (ports never reused)."""
-    first = [c for c in fb.SCRIPTED_CONFIGS.values() if c.name not in taken]
     sweep = sorted(fb.SCRIPTED_SWEEP.values(), key=lambda c: (SWEEP_ORDER.index(sweep_k(c)), not c.patched))
-    configs = first + list(fb.SCRIPTED_VARIANTS.values()) + sweep
+    configs = [c for c in (*fb.SCRIPTED_CONFIGS.values(), *fb.SCRIPTED_VARIANTS.values(), *sweep)
+               if c.name not in taken]
     out_waves, port = [], args.base_port
     for i in range(0, len(configs), WAVE_SERVERS):
         out_waves.append(build_servers(args, out, configs[i:i + WAVE_SERVERS], port))
@@ -827,30 +827,46 @@ def take_predictions(rec: Record, predictors: Sequence[Predictor], args: argpars
             return
 
 
+def chisq_rows_child(name: str, out: Path, env: Mapping[str, str], args: argparse.Namespace) -> subprocess.Popen:
+    """The --chisq-rows child for one server's samples, started (its stderr in OUT/<name>-chisq-rows.log)."""
+    with open(out / f"{name}-chisq-rows.log", "w") as log_file:
+        return subprocess.Popen([args.python, str(Path(__file__).resolve()), "--chisq-rows",
+                                 str(out / f"{name}-chisq-samples.json"), str(out / f"{name}-chisq-rows.json"),
+                                 "--ckpt", str(served_checkpoint(args, stack(name) == "patched")),
+                                 "--device", args.device], cwd=REPO, env=dict(env), stdout=subprocess.DEVNULL,
+                                stderr=log_file)
+
+
+def take_chisq_rows(rec: Record, out: Path, name: str, child: subprocess.Popen, timeout_s: float, t0: float) -> None:
+    """Waits up to timeout_s for the child, then keeps its rows for the checks (or records why not)."""
+    try:
+        child.wait(timeout=max(timeout_s, 1.0))
+        if child.returncode:
+            raise subprocess.CalledProcessError(child.returncode, child.args)
+        rows = json.loads((out / f"{name}-chisq-rows.json").read_text())
+        rec.rows[name] = [[{int(t): p for t, p in row} for row in seq] for seq in rows]
+    except (subprocess.SubprocessError, OSError, ValueError) as err:
+        child.kill()
+        tail = (out / f"{name}-chisq-rows.log").read_text()[-1500:] if (out / f"{name}-chisq-rows.log").exists() else ""
+        rec.data["errors"][f"{name}: chisq rows"] = f"{type(err).__name__}: {err} {tail}".strip()
+    rec.phase(f"{name}: chisq rows", time.monotonic() - t0)
+
+
 def chisq_reference(rec: Record, out: Path, env: Mapping[str, str], args: argparse.Namespace,
                     left: Callable[[float], float]) -> None:
-    """The --chisq-rows child for each server's samples, within its limit; the rows kept for the checks."""
-    for name in list(rec.samples):
-        rows_path = out / f"{name}-chisq-rows.json"
-        t0 = time.monotonic()
-        try:
-            subprocess.run([args.python, str(Path(__file__).resolve()), "--chisq-rows",
-                            str(out / f"{name}-chisq-samples.json"), str(rows_path),
-                            "--ckpt", str(served_checkpoint(args, stack(name) == "patched")),
-                            "--device", args.device], cwd=REPO, env=dict(env), check=True,
-                           timeout=left(LIMITS["chisq_rows"]) or 1, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            rec.rows[name] = [[{int(t): p for t, p in row} for row in seq] for seq in json.loads(rows_path.read_text())]
-        except (subprocess.SubprocessError, OSError, ValueError) as err:
-            rec.data["errors"][f"{name}: chisq rows"] = f"{type(err).__name__}: {str(err)[-1500:]}"
-        rec.phase(f"{name}: chisq rows", time.monotonic() - t0)
+    """The --chisq-rows child for each server's samples not judged yet, one at a time within its limit."""
+    for name in [n for n in rec.samples if n not in rec.rows]:
+        take_chisq_rows(rec, out, name, chisq_rows_child(name, out, env, args), left(LIMITS["chisq_rows"]),
+                        time.monotonic())
 
 
-def take_first_wave(rec: Record, report: Path, servers: Sequence[str]) -> list[str]:
-    """--from-run: the first wave's measurements and greedy answers from an earlier run on the same checkpoint, so
-    that a visit can give all its time to the sweep: the report, and the answers in the folder named like it
-    (REPORT's stem, `<server>-greedy.json.gz`, as bench/results keeps them), for the first-wave `servers` named.
-    Their checks are judged again here against this run's predictions (the chi-square, whose rows stay with the
-    earlier run, is not). Returns the servers taken."""
+def take_servers(rec: Record, report: Path, servers: Sequence[str]) -> list[str]:
+    """--from-run: the measurements and greedy answers of the `servers` named from an earlier run on the same
+    checkpoint, so that a visit can give its time to the servers not measured yet: the report, and the answers in the
+    folder named like it (REPORT's stem, `<server>-greedy.json.gz`, as bench/results keeps them). Their checks are
+    judged again here against this run's predictions; a server whose chi-square samples are there too
+    (`<server>-chisq-samples.json.gz`) has its reference rows computed in this run, as if it had sampled here.
+    A measurement the earlier run itself took from another keeps that origin. Returns the servers taken."""
     earlier = json.loads(report.read_text())
     for dial in ("mtp_agree", "draft_coverage"):
         if earlier["checkpoint"].get(dial) != rec.data["checkpoint"].get(dial):
@@ -861,11 +877,15 @@ def take_first_wave(rec: Record, report: Path, servers: Sequence[str]) -> list[s
         answers = folder / f"{name}-greedy.json.gz"
         if name not in earlier["measurements"] or not answers.is_file():
             continue
-        rec.data["measurements"][name] = {**earlier["measurements"][name], "from_run": f"{report.name} ({earlier['date']})"}
+        rec.data["measurements"][name] = {"from_run": f"{report.name} ({earlier['date']})", **earlier["measurements"][name]}
         rec.traces[name] = [smoke_lib.GreedyTrace.from_record(r) for r in json.loads(gzip.decompress(answers.read_bytes()))]
+        samples = folder / f"{name}-chisq-samples.json.gz"
+        if samples.is_file():
+            kept = json.loads(gzip.decompress(samples.read_bytes()))
+            rec.keep_samples(name, kept["prompts"], kept["samples"])
         taken.append(name)
     if not taken:
-        raise CheckpointError(f"--from-run {report}: no first-wave server with its answers in {folder}")
+        raise CheckpointError(f"--from-run {report}: none of {', '.join(servers)} has its answers in {folder}")
     rec.data["from_run"] = {"report": report.name, "date": earlier["date"], "gpu": earlier.get("gpu"), "servers": taken}
     rec.save()
     return taken
@@ -977,7 +997,7 @@ def run(args: argparse.Namespace) -> int:
     taken: list[str] = []
     if args.from_run:
         try:
-            taken = take_first_wave(rec, args.from_run, args.from_run_servers)
+            taken = take_servers(rec, args.from_run, args.from_run_servers)
         except (CheckpointError, OSError, ValueError, KeyError) as err:
             rec.data["errors"]["from_run"] = f"{type(err).__name__}: {err}"
             rec.save()
@@ -992,6 +1012,9 @@ def run(args: argparse.Namespace) -> int:
 
     sampling = default_sampling(args.ckpt)
     boot_s = LIMITS["boot"]
+    # samples --from-run brought: their reference rows while the first wave boots (the GPU has room beside booting
+    # servers, as for the predictions), done before anything is timed
+    early_rows = {name: (chisq_rows_child(name, out, env, args), time.monotonic()) for name in rec.samples}
     try:
         for index, servers in enumerate(all_waves):
             first = index == 0  # the first wave's servers (with --from-run, those left) lead it
@@ -1003,6 +1026,8 @@ def run(args: argparse.Namespace) -> int:
             t_boot = time.monotonic()
             boot(servers, rec, out, left(LIMITS["boot"]))
             if index == 0:  # measuring starts now; the predictions join the report when they are written
+                for name, (child, t0) in early_rows.items():
+                    take_chisq_rows(rec, out, name, child, left(LIMITS["chisq_rows"]) - (time.monotonic() - t0), t0)
                 predictions(wait_s=min(PREDICT_GRACE_S, left(LIMITS["predict"])))
             boot_s = time.monotonic() - t_boot
             rec.phase(f"boot wave {index}", boot_s)
@@ -1013,7 +1038,7 @@ def run(args: argparse.Namespace) -> int:
                 finish(rec, design, prompts.greedy)
             # the tools only where the chi-square rows and the patched sweep still fit after them
             sweep_need = boot_s + len(all_waves[1]) * SWEEP_SERVER_S if first and len(all_waves) > 1 else 0
-            sweep_need += len(rec.samples) * CHISQ_ROWS_S if first else 0
+            sweep_need += len([n for n in rec.samples if n not in rec.rows]) * CHISQ_ROWS_S if first else 0
             if first and deadline - time.monotonic() - sweep_need > LIMITS["quality"]:
                 wave_tools({s.cfg.name: s for s in servers}, rec, out, env, args.python, args.ckpt,
                            lambda limit, keep=sweep_need: max(0.0, min(limit, deadline - time.monotonic() - keep)))
@@ -1027,6 +1052,9 @@ def run(args: argparse.Namespace) -> int:
                 chisq_reference(rec, out, env, args, left)
                 finish(rec, design, prompts.greedy)
     finally:
+        for child, _ in early_rows.values():
+            if child.poll() is None:
+                child.kill()
         for predictor in predictors:
             if predictor.running():
                 predictor.proc.kill()
@@ -1166,7 +1194,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--plot-only", type=Path, metavar="REPORT",
                    help="only the sweep's PNG beside REPORT, and its markdown table on stdout")
     p.add_argument("--from-run-servers", type=lambda v: v.split(","), default=list(FROM_RUN_SERVERS),
-                   help="the first-wave servers --from-run takes (default %(default)s)")
+                   help="the servers --from-run takes, comma-separated (default %(default)s)")
     p.add_argument("--rejudge", action="store_true", help="judge OUT's finished run again from its files (CPU)")
     args = p.parse_args(argv)
     child = (args.predict is not None or args.chisq_rows is not None or args.only is not None or args.rejudge

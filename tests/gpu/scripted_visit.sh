@@ -72,6 +72,7 @@ log "3. scripted run (log /tmp/scripted.log)"
 budget_s="${QS_SCRIPTED_BUDGET_S:-$(( ${QS_DEVICE_LEFT_S:-1380} - ($(date +%s) - VISIT_T0) ))}"
 run_args=(--budget-s "$budget_s")
 [ -n "${QS_FROM_RUN:-}" ] && run_args+=(--from-run "$QS_FROM_RUN")
+[ -n "${QS_FROM_RUN_SERVERS:-}" ] && run_args+=(--from-run-servers "$QS_FROM_RUN_SERVERS")
 log "scripted run budget: $budget_s s"
 python3 bench/gpu/scripted_mtp.py /tmp/scripted-out --site "$SITE" --patched-site "$PATCHED_SITE" "${run_args[@]}" \
   > /tmp/scripted.log 2>&1

@@ -6,6 +6,7 @@
 # jit-cache.tgz.NN (the kernel caches in 15 MB parts, when the files left hold them: carry them as .whl/ next time).
 set -uo pipefail
 OUT="${1:?usage: pack_scripted_visit.sh OUT}"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd /tmp || exit 1
 cp scripted-out/scripted-h200-mtp.json "$OUT/" 2>/dev/null
 parts=()
@@ -19,13 +20,5 @@ tar -czf "$OUT/logs.tgz" -C /tmp pack-logs 2>/dev/null
 parts=()
 for p in visit-tests visit-prepare visit.log visit-tests.log visit-prepare.log; do [ -e "$p" ] && parts+=("$p"); done
 [ ${#parts[@]} -gt 0 ] && tar -czf "$OUT/tests.tgz" "${parts[@]}" 2>/dev/null
-# the kernel caches (Triton's, vLLM's compiled graphs) for a later visit's boot, in 15 MB parts, as many as the
-# 8 files that come back leave room for
-rm -f "$OUT"/jit-cache.tgz.*
-if tar -czf /tmp/jit-cache.tgz -C "$HOME" .triton/cache .cache/vllm/torch_compile_cache 2>/dev/null; then
-  room=$(( 8 - $(find "$OUT" -maxdepth 1 -type f | wc -l) ))
-  if [ "$(stat -c %s /tmp/jit-cache.tgz)" -le $(( room * 15000000 )) ]; then
-    split -b 15000000 -d -a 2 /tmp/jit-cache.tgz "$OUT/jit-cache.tgz."
-  else echo "kernel caches: $(stat -c %s /tmp/jit-cache.tgz) bytes, more than the $room parts left: not packed"; fi
-fi
+bash "$HERE/pack_jit_cache.sh" "$OUT"
 ls -la "$OUT"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The kernel caches (Triton's, vLLM's compiled graphs) into OUT for a later visit's boot, in 15 MB parts, when the
-# 8 files that come back leave room for them (visit 10's were 126 MB: too many); sourced-or-run by the pack scripts
+# 8 files that come back leave room for them (visit 10's were 126 MB: too many); run by the pack scripts
 # last, after their own files.  Usage: bash tests/gpu/pack_jit_cache.sh OUT
 set -uo pipefail
 OUT="${1:?usage: pack_jit_cache.sh OUT}"

@@ -222,6 +222,11 @@ def server_command(cfg: BenchConfig, *, python: str, ckpt: Path, port: int, trac
                    probe: plan.Probe | None = None, will_create: Collection[str] = ()) -> ServerCommand:
     """The vllm serve command of one config (module form: the test machine has no console script on PATH)."""
     served = serve_plan(cfg, ckpt=ckpt, port=port, traces=traces, probe=probe, will_create=will_create)
+    return command_of(cfg, served, python=python)
+
+
+def command_of(cfg: BenchConfig, served: plan.ServePlan, *, python: str) -> ServerCommand:
+    """The vllm serve command of a config whose serve plan is built already (serve_plan)."""
     if served.argv[:2] != ("vllm", "serve"):
         raise ValueError(f"the {cfg.mode} plan does not start with `vllm serve`: {served.argv[:2]}")
     env = {**(served.env if cfg.patched else {}), **SERVER_ENV}

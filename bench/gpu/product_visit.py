@@ -218,8 +218,7 @@ def render(args: argparse.Namespace, out: Path) -> list[Planned]:
         try:
             p.served = fb.serve_plan(cfg, ckpt=args.prepared_ckpt, port=p.port, traces=out / f"traces-{vc.name}",
                                      probe=probe, will_create={str(args.drafter)})
-            p.cmd = fb.server_command(cfg, python=args.python, ckpt=args.prepared_ckpt, port=p.port,
-                                      traces=out / f"traces-{vc.name}", probe=probe, will_create={str(args.drafter)})
+            p.cmd = fb.command_of(cfg, p.served, python=args.python)
         except plan.PlanError as err:
             p.refusal = str(err)
         planned.append(p)
@@ -585,9 +584,9 @@ def baseline_traces(design_dials: Mapping) -> tuple[list[smoke_lib.GreedyTrace] 
         records = json.loads(gzip.decompress(answers.read_bytes()))
     except (OSError, ValueError) as err:
         return None, f"no baseline: {err}"
-    for dial in ("mtp_agree", "draft_coverage"):
-        if earlier["checkpoint"].get(dial) != design_dials.get(dial):
-            return None, f"no baseline: {BASELINE_REPORT.name} has {dial} {earlier['checkpoint'].get(dial)}"
+    differs = sm.dial_difference(earlier["checkpoint"], design_dials)
+    if differs:
+        return None, f"no baseline: {BASELINE_REPORT.name}: {differs}"
     return [smoke_lib.GreedyTrace.from_record(r) for r in records], f"{BASELINE_REPORT.name} ({earlier['date']})"
 
 

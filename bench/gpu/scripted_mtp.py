@@ -860,6 +860,15 @@ def chisq_reference(rec: Record, out: Path, env: Mapping[str, str], args: argpar
                         time.monotonic())
 
 
+def dial_difference(earlier: Mapping, this: Mapping) -> str | None:
+    """How an earlier run's scripted checkpoint differs from this one in its dials (None: the same files, since the
+    checkpoint is deterministic given them and the seed)."""
+    for dial in ("mtp_agree", "draft_coverage"):
+        if earlier.get(dial) != this.get(dial):
+            return f"its checkpoint has {dial} {earlier.get(dial)}, this one {this.get(dial)}"
+    return None
+
+
 def take_servers(rec: Record, report: Path, servers: Sequence[str]) -> list[str]:
     """--from-run: the measurements and greedy answers of the `servers` named from an earlier run on the same
     checkpoint, so that a visit can give its time to the servers not measured yet: the report, and the answers in the
@@ -868,10 +877,9 @@ def take_servers(rec: Record, report: Path, servers: Sequence[str]) -> list[str]
     (`<server>-chisq-samples.json.gz`) has its reference rows computed in this run, as if it had sampled here.
     A measurement the earlier run itself took from another keeps that origin. Returns the servers taken."""
     earlier = json.loads(report.read_text())
-    for dial in ("mtp_agree", "draft_coverage"):
-        if earlier["checkpoint"].get(dial) != rec.data["checkpoint"].get(dial):
-            raise CheckpointError(f"--from-run {report}: its checkpoint has {dial} {earlier['checkpoint'].get(dial)}, "
-                                  f"this one {rec.data['checkpoint'].get(dial)}")
+    differs = dial_difference(earlier["checkpoint"], rec.data["checkpoint"])
+    if differs:
+        raise CheckpointError(f"--from-run {report}: {differs}")
     folder, taken = report.with_suffix(""), []
     for name in servers:
         answers = folder / f"{name}-greedy.json.gz"

@@ -112,7 +112,7 @@ SWEEP_SERVER_S = 60  # a sweep server's greedy, sampled and C1 parts
 # the sweep's boot order, by k: a budget that ends a sweep early leaves whole stock-beside-ours pairs; k=3 first,
 # the drafts of CTX=long and CTX=huge
 SWEEP_ORDER = (3, 2, 5, 7, 1)
-# servers booted together: four MTP servers and their pools fit the H200 (visit 10: about 113 GiB of its 140 in use,
+# servers booted together: four MTP servers and their pools fit the H200 (visit 10: about 111 GiB of its 140 in use,
 # 15-17.6 GiB of weights each); a fifth would not
 WAVE_SERVERS = 4
 # what --from-run takes from an earlier run by default: the first-wave servers whose code the sampler change after

@@ -3,6 +3,7 @@
 # copies the pristine vllm package, applies patches/series to the copy and runs pytest
 # against it on two workers (pytest-xdist). GPU tests (-m gpu) are skipped here; tests/gpu/README.md runs them.
 #   bash tests/run.sh [pytest args...]      e.g. bash tests/run.sh -k patchset -x   (-n 0: one process)
+#   bash tests/run.sh -n 0 tests/test_synth.py  (arguments naming tests/... run those alone)
 # The shell linter (shellcheck, a system package) is installed with apt-get when missing and this runs as root;
 # elsewhere tests/test_lint.py fails with the command to install it.
 set -euo pipefail
@@ -53,6 +54,11 @@ step "pytest (not gpu)"
 export QS_PRISTINE_VLLM="$PRISTINE" QS_PATCHED_VLLM="$PATCHED_ROOT/vllm"
 export VLLM_TARGET_DEVICE=cpu PYTHONPATH="$PATCHED_ROOT:$ROOT"
 rc=0
-"$PY" -m pytest -m "not gpu" -p no:cacheprovider -n 2 "$@" tests || rc=$?
+# the whole suite, unless the arguments name test files or folders themselves
+targets=(tests)
+for arg in "$@"; do
+  case "$arg" in tests/*) [ -e "${arg%%::*}" ] && targets=() ;; esac
+done
+"$PY" -m pytest -m "not gpu" -p no:cacheprovider -n 2 "$@" "${targets[@]}" || rc=$?
 [ "$rc" -eq 5 ] && fail "pytest collected no tests"
 exit "$rc"

@@ -243,6 +243,39 @@ def test_mtp_agreement_dial_bf16_and_after_prepare(tiny, design, ref, quoting, t
     assert float(shift.abs().max()) < 0.05  # measured 0.022: run the reference on what the engine serves
 
 
+def test_redial_changes_the_mtp_dial_only_and_equals_synth_at_that_dial(tiny, design, tmp_path):
+    high = tmp_path / "high"
+    assert scripted.main(["redial", str(tiny), "--mtp-agree", "0.9", "--out", str(high)]) == 0
+    fresh = _generate(tmp_path / "fresh", "--mtp-agree", "0.9", "--draft-coverage", str(COVERAGE))
+    assert scripted.Design.read(high) == scripted.Design.read(fresh)
+    redialled, written = dict(synth.iter_checkpoint(high)), dict(synth.iter_checkpoint(fresh))
+    assert redialled.keys() == written.keys()
+    assert all(torch.equal(redialled[name], written[name]) for name in written)
+    index = json.loads((tiny / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not torch.equal(redialled["mtp.fc.weight"], dict(synth.iter_checkpoint(tiny))["mtp.fc.weight"])
+    for path in tiny.iterdir():  # every file the dial leaves alone is the base's own bytes, linked
+        same = path.stat().st_ino == (high / path.name).stat().st_ino
+        assert same == (path.name not in {index["mtp.fc.weight"], scripted.DESIGN_FILE, scripted.DRAFT_IDS_FILE,
+                                          "synth.json"}), path.name
+    assert json.loads((high / "synth.json").read_text())["mtp_agree"] == 0.9
+    # the design's target is the base's: the same chain, a higher agreement
+    chain = [design.next_in_chain(t) for t in design.active]
+    proposed = _proposals(Reference(high), design.active)
+    assert sum(p == c for p, c in zip(proposed, chain, strict=True)) > sum(
+        design.mtp_proposal(t) == c for t, c in zip(design.active, chain, strict=True))
+    # refused: an existing --out, a dial outside [0, 1], a prepared copy as the base (nothing left behind)
+    with pytest.raises(SystemExit):
+        scripted.main(["redial", str(tiny), "--mtp-agree", "0.9", "--out", str(high)])
+    with pytest.raises(SystemExit):
+        scripted.main(["redial", str(tiny), "--mtp-agree", "1.5", "--out", str(tmp_path / "bad")])
+    prepared = tmp_path / "prepared"
+    shutil.copytree(tiny, prepared)
+    assert steps.run(str(prepared), "quant_mtp") == 0
+    with pytest.raises(SystemExit):
+        scripted.main(["redial", str(prepared), "--mtp-agree", "0.9", "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists() and not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+
+
 def test_draft_vocabulary_coverage_dial(tiny, design, tmp_path):
     ids = json.loads((tiny / scripted.DRAFT_IDS_FILE).read_text())["ids"]
     assert scripted.draft_coverage(design, ids) == pytest.approx(COVERAGE, abs=1 / len(design.active))

@@ -53,7 +53,8 @@ def _command(cfg: fb.BenchConfig, port: int = 18060, ckpt: Path = CKPT) -> fb.Se
 
 def test_scripted_servers_are_plans_that_vllm_serve_parses(vllm_cli):
     methods = {}
-    for name, cfg in {**fb.SCRIPTED_CONFIGS, **fb.SCRIPTED_VARIANTS, **fb.SCRIPTED_SWEEP}.items():
+    for name, cfg in {**fb.SCRIPTED_CONFIGS, **fb.SCRIPTED_VARIANTS, **fb.SCRIPTED_SWEEP,
+                      **fb.SCRIPTED_HIGH_AGREE}.items():
         assert name not in fb.CONFIGS  # run_full.py's configs (and their recorded commands) stay as they were
         served = fb.serve_plan(cfg, ckpt=CKPT, port=18060, traces=TRACES, probe=Probe.detect(REPO))
         assert not served.warnings, served.warnings
@@ -72,6 +73,7 @@ def test_scripted_servers_are_plans_that_vllm_serve_parses(vllm_cli):
         assert sm.draft_sample(cmd) == (None if spec is None else spec["draft_sample_method"])
     assert methods == {"scripted-stock": None, "scripted-stock-mtp4": (4, "greedy"), "scripted-patched-plain": None,
                        "scripted-patched-mtp4": (4, "probabilistic"), "scripted-patched-mtp4-fa2": (4, "probabilistic"),
+                       "scripted-patched-mtp4-agree90": (4, "probabilistic"),
                        **{f"scripted-patched-mtp{k}": (k, "probabilistic") for k in fb.SCRIPTED_SWEEP_K},
                        **{f"scripted-stock-mtp{k}": (k, "greedy") for k in fb.SCRIPTED_SWEEP_K}}
     patched = _command(fb.SCRIPTED_CONFIGS["scripted-patched-mtp4"])
@@ -94,8 +96,10 @@ def test_dry_run_prints_every_wave(tmp_path):
     commands = [line for line in res.stdout.splitlines() if line.startswith("PYTHONPATH=")]
     variants = ["PYTHONPATH=/p:/s"] * len(fb.SCRIPTED_VARIANTS)
     pairs = ["PYTHONPATH=/p:/s", "PYTHONPATH=/s"] * len(fb.SCRIPTED_SWEEP_K)  # each k: ours, then stock
+    high = ["PYTHONPATH=/p:/s"] * len(fb.SCRIPTED_HIGH_AGREE)
     assert [c.split()[0] for c in commands] == ["PYTHONPATH=/s", "PYTHONPATH=/s", "PYTHONPATH=/p:/s",
-                                               "PYTHONPATH=/p:/s", *variants, *pairs]
+                                               "PYTHONPATH=/p:/s", *variants, *pairs, *high]
+    assert sum("/tmp/qwen-scripted-full-agree90-prepared " in c for c in commands) == len(high)
     ports = [int(re.search(r"--port (\d+)", c).group(1)) for c in commands]
     assert ports == list(range(18060, 18060 + len(commands)))  # never reused across waves
     assert not (tmp_path / "o").exists()
@@ -105,28 +109,40 @@ def test_dry_run_prints_every_wave(tmp_path):
                          capture_output=True, text=True, timeout=120)
     names = re.findall(r"^# (\S+) \(port", res.stdout, flags=re.M)
     assert names == ["scripted-patched-mtp4", "scripted-patched-mtp4-fa2",
-                     *(f"scripted-{which}-mtp{k}" for k in sm.SWEEP_ORDER for which in ("patched", "stock"))]
+                     *(f"scripted-{which}-mtp{k}" for k in sm.SWEEP_ORDER for which in ("patched", "stock")),
+                     *fb.SCRIPTED_HIGH_AGREE]
     assert sorted(sm.SWEEP_ORDER) == sorted(fb.SCRIPTED_SWEEP_K)
 
 
-def test_waves_boot_at_most_four_servers_each(tmp_path):
+def test_waves_are_packed_by_memory_in_order(tmp_path):
     args = argparse.Namespace(base_port=18060, site=Path("/s"), patched_site=Path("/p"), python=sys.executable,
-                              ckpt=CKPT, prepared_ckpt=CKPT)
+                              ckpt=CKPT, prepared_ckpt=CKPT, high_prepared_ckpt=CKPT, high_agree=sm.HIGH_AGREE)
     full = sm.waves(args, tmp_path)
-    assert [len(w) for w in full] == [4, 4, 4, 3]  # the first wave, then the variant and the sweep's ten servers
+    for wave in full:
+        assert sum(sm.server_gib(s.cfg) for s in wave) <= sm.run_full.BOUND_GIB
+    # visit 10's first wave (111 GiB in use) is estimated above what it measured, and a fifth server does not fit
     assert [s.cfg.name for s in full[0]] == list(fb.SCRIPTED_CONFIGS)
-    assert full[1][0].cfg.name == "scripted-patched-mtp4-fa2"
-    later = sm.waves(args, tmp_path, taken=sm.FROM_RUN_SERVERS)
-    assert [len(w) for w in later] == [4, 4, 4]
-    # servers taken from an earlier run are not booted again, wherever they stand in the order
+    assert 111 < sum(sm.server_gib(s.cfg) for s in full[0]) and sum(
+        sm.server_gib(s.cfg) for s in (*full[0], full[1][0])) > sm.run_full.BOUND_GIB
+    for k in sm.SWEEP_ORDER:  # each k's pair boots in one wave
+        assert len({i for i, w in enumerate(full) for s in w if s.cfg.name.endswith(f"-mtp{k}")}) == 1, k
+    order = [s.cfg.name for w in full for s in w]
+    assert order == [*fb.SCRIPTED_CONFIGS, *fb.SCRIPTED_VARIANTS,
+                     *(f"scripted-{which}-mtp{k}" for k in sm.SWEEP_ORDER for which in ("patched", "stock")),
+                     *fb.SCRIPTED_HIGH_AGREE]
+    # servers taken from an earlier run are not booted again, wherever they stand in the order; the rest of the sweep
+    # and the high-agreement server fit two waves, each k's pair in one
     taken = (*sm.FROM_RUN_SERVERS, "scripted-patched-mtp4", "scripted-patched-mtp4-fa2", "scripted-patched-mtp3",
              "scripted-stock-mtp3")
-    rest = [s.cfg.name for w in sm.waves(args, tmp_path, taken=taken) for s in w]
-    assert rest == [f"scripted-{which}-mtp{k}" for k in sm.SWEEP_ORDER[1:] for which in ("patched", "stock")]
-    # a budget that stops after the first wave still leaves one k measured on both stacks
-    k = sm.SWEEP_ORDER[0]
-    assert [s.cfg.name for s in later[0]] == ["scripted-patched-mtp4", "scripted-patched-mtp4-fa2",
-                                              f"scripted-patched-mtp{k}", f"scripted-stock-mtp{k}"]
+    rest = sm.waves(args, tmp_path, taken=taken)
+    assert [[s.cfg.name for s in w] for w in rest] == [
+        [f"scripted-{which}-mtp{k}" for k in sm.SWEEP_ORDER[1:3] for which in ("patched", "stock")],
+        [*(f"scripted-{which}-mtp{k}" for k in sm.SWEEP_ORDER[3:] for which in ("patched", "stock")),
+         *fb.SCRIPTED_HIGH_AGREE]]
+    assert [s.port for w in rest for s in w] == list(range(18060, 18069))
+    # --high-agree 0: no server on the copy
+    off = argparse.Namespace(**{**vars(args), "high_agree": 0.0})
+    assert not [s for w in sm.waves(off, tmp_path) for s in w if s.cfg.name in fb.SCRIPTED_HIGH_AGREE]
 
 
 # ---------------------------------------------------------------- acceptance maths
@@ -227,7 +243,9 @@ def test_prediction_from_the_tiny_checkpoint(tiny, prediction):
 
 
 def _run_args(tiny: Path, tmp_path: Path, **over) -> argparse.Namespace:
-    values = {"ckpt": tiny, "prepared_ckpt": tmp_path / "prepared", "python": sys.executable, "agree": 0.76,
+    values = {"ckpt": tiny, "prepared_ckpt": tmp_path / "prepared", "high_ckpt": tmp_path / "high",
+              "high_prepared_ckpt": tmp_path / "high-prepared", "high_agree": sm.HIGH_AGREE, "python": sys.executable,
+              "agree": 0.76,
               "coverage": COVERAGE, "site": Path("/nonexistent-site"), "device": "cpu", "budget_s": 600}
     return argparse.Namespace(**{**values, **over})
 
@@ -252,13 +270,24 @@ def test_the_patched_servers_serve_a_prepared_copy_with_its_draft_head(tiny, tmp
     assert prepared["draft_vocab"]["size"] == len(ids) and "draft_vocab" not in json.loads(
         (tiny / "config.json").read_text())
     assert sm.prepare_copy(args, env, tmp_path, lambda limit: limit)["steps_s"]  # a second run: every step a no-op
-    # the plan serves the prepared copy's draft head (stock keeps the synth's files)
-    for name in ("scripted-patched-mtp4", "scripted-stock-mtp4"):
-        cfg = fb.SCRIPTED_CONFIGS[name]
-        cmd = _command(cfg, ckpt=sm.served_checkpoint(args, cfg.patched))
+    # the high-agreement copy: synth's target with another MTP dial, then prepared like the first
+    high = sm.make_high_copy(args, env, tmp_path, lambda limit: limit)
+    assert high["mtp_agree"] == sm.HIGH_AGREE and "redial_s" in high
+    assert not any("FAIL" in line for line in high["prepared"]["prepare_status"]), high["prepared"]["prepare_status"]
+    assert digests(tiny) == before
+    assert "redial_s" not in sm.make_high_copy(args, env, tmp_path, lambda limit: limit)  # there: checked, kept
+    # the plan serves the prepared copies' draft head (stock keeps the synth's files)
+    for cfg in (fb.SCRIPTED_CONFIGS["scripted-patched-mtp4"], fb.SCRIPTED_CONFIGS["scripted-stock-mtp4"],
+                *fb.SCRIPTED_HIGH_AGREE.values()):
+        cmd = _command(cfg, ckpt=sm.served_checkpoint(args, cfg.name))
         ns, _ = vllm_cli.serve(cmd.argv)
-        assert ns.model_tag == str(args.prepared_ckpt if cfg.patched else tiny)
-        assert cmd.env.get("VLLM_MTP_DRAFT_VOCAB") == ("1" if cfg.patched else None), name
+        expected = {"stock": tiny, "patched": args.prepared_ckpt, "high": args.high_prepared_ckpt}[sm.files(cfg.name)]
+        assert ns.model_tag == str(expected)
+        assert cmd.env.get("VLLM_MTP_DRAFT_VOCAB") == ("1" if cfg.patched else None), cfg.name
+    # a high-agreement copy of another target is refused
+    other = _run_args(tiny, tmp_path, high_ckpt=args.prepared_ckpt)
+    with pytest.raises(sm.CheckpointError, match="--mtp-agree"):
+        sm.make_high_copy(other, env, tmp_path, lambda limit: limit)
     # a checkpoint that does not match the dials asked is refused before anything boots
     with pytest.raises(sm.CheckpointError, match="--draft-coverage"):
         sm.make_checkpoint(_run_args(tiny, tmp_path, coverage=0.9), env, tmp_path, lambda limit: limit)
@@ -552,6 +581,21 @@ def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, 
     # plain server); sampled x2; chi-square x2; prefix x2
     assert len(checks) == 2 + 4 + 2 * 3 + 2 + 2 + 2
     assert "scripted-patched-mtp4: greedy token-identical to no speculation" in checks
+    # the high-agreement server: judged against the plan's answers without speculation (the same target), its own
+    # floor on the acceptance, no prediction of its own (so no greedy walk, no sampled check)
+    high = next(iter(fb.SCRIPTED_HIGH_AGREE))
+    traces = {**rec.traces, high: rec.traces["scripted-patched-mtp4"]}
+    for rates, passed in (([0.9, 0.8, 0.7, 0.6], True), ([0.8, 0.6, 0.45, 0.35], False)):
+        greedy_part = json.loads(json.dumps(meas["scripted-patched-mtp4"]["greedy"]))
+        greedy_part["spec"]["per_position_acceptance"] = rates
+        data = {**rec.data, "measurements": {**rec.data["measurements"], high: {"k": 4, "greedy": greedy_part}}}
+        judged = {n: c for n, c in sm.judge(data, traces, {}, {}, design, greedy).items() if n.startswith(high)}
+        floor = judged.pop(f"{high}: greedy drafts accepted at least 60% of the time")
+        assert floor["passed"] is passed and floor["acceptance"] == pytest.approx(sum(rates) / 4)
+        assert {n: c["passed"] for n, c in judged.items()} == {
+            f"{high}: greedy answers are the designed chain": True,
+            f"{high}: greedy token-identical to no speculation": True,
+            f"{high}: top-20 raw logits agree with no speculation": True}
     chisq = checks["scripted-stock: chi-square of the sampled tokens' ranks against the reference"]
     assert chisq["tokens"] == sm.CHISQ_TOKENS and chisq["outside_support"] == 0 and chisq["ranks"] == 3, chisq
     assert (tmp_path / "scripted-stock-chisq-samples.json").exists()

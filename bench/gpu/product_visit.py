@@ -58,17 +58,12 @@ GiB = memory.GiB
 # the card the pools are pinned for: a headless 24 GB card's free VRAM (docs/long-context.md's table)
 CARD_FREE = int(23.60 * GiB)
 DRAFTER_AGREE = 0.7  # scripted_dflash2's default --agree
-# Memory per server (GiB). Weights: visit 9's prepared-copy servers (bench/results/scripted-h200-mtp-run3.json,
-# boot_facts): 14.51 without MTP, 14.99 with it. The scripted drafter is bf16 at the target's width (5 layers,
-# ~1.7e9 parameters; the shipped W4A16 one is 1.19 GB). Graphs: the memory model's 1.2 (the servers measured 0.11-0.39
-# where no other server allocated during their capture; vLLM's figure is a free-memory difference of the whole GPU,
-# so a server booted beside others can read 7 GiB: bench/README.md, fourth scripted run). Overhead: the memory
-# model's 2 GiB activation peak and 1 GiB of CUDA context and allocator slack.
+# Memory per server (GiB; graphs, overhead and the bound: run_full's). Weights: visit 9's prepared-copy servers
+# (bench/results/scripted-h200-mtp-run3.json, boot_facts): 14.51 without MTP, 14.99 with it. The scripted drafter is
+# bf16 at the target's width (5 layers, ~1.7e9 parameters; the shipped W4A16 one is 1.19 GB).
 WEIGHTS_GIB = {"off": 14.51, "mtp": 14.99, "dflash2": 14.51}
 DRAFTER_GIB = 3.5
-GRAPHS_GIB = memory.CUDAGRAPH_BYTES / GiB
-OVERHEAD_GIB = memory.ACTIVATION_PEAK_BYTES / GiB + 1.0
-BOUND_GIB = 130.0  # of the H200's 140.4 GiB: visit 10 read 111 GiB in use with four 27B servers beside the smoke servers
+GRAPHS_GIB, OVERHEAD_GIB, BOUND_GIB = run_full.GRAPHS_GIB, run_full.OVERHEAD_GIB, run_full.BOUND_GIB
 # visit 9's answers without speculation on the same prepared copy (the checkpoint is deterministic: seed 0 and the
 # dials below), the baseline of "DFlash2 vs no speculation"
 BASELINE_REPORT = REPO / "bench" / "results" / "scripted-h200-mtp-run3.json"
@@ -265,21 +260,9 @@ def memory_classes(booted: Sequence[tuple[Planned, Mapping]]) -> dict[str, dict[
 
 def pack(planned: Sequence[Planned], bound: float = BOUND_GIB,
          seen: Mapping[str, Mapping] | None = None) -> list[list[Planned]]:
-    """First fit in priority order: each config in the earliest wave its estimate fits into (so a config never
-    displaces one before it); a config larger than the bound alone is its own wave (and is recorded)."""
-    waves: list[list[Planned]] = []
-    used: list[float] = []
-    for p in planned:
-        need = memory_gib(p, seen)["total"]
-        for i in range(len(waves)):
-            if used[i] + need <= bound:
-                waves[i].append(p)
-                used[i] += need
-                break
-        else:
-            waves.append([p])
-            used.append(need)
-    return waves
+    """run_full.first_fit on each server's memory estimate (a config larger than the bound alone is its own wave,
+    and is recorded)."""
+    return run_full.first_fit(planned, lambda p: memory_gib(p, seen)["total"], bound)
 
 
 def pool_prediction(p: Planned) -> int | None:

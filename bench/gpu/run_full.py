@@ -15,7 +15,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -23,9 +25,36 @@ sys.path.insert(0, str(REPO))
 from bench import fullbench as fb  # noqa: E402
 from bench import serving  # noqa: E402
 from bench.serving import write_json_atomic  # noqa: E402
-from qwen_serving import plan  # noqa: E402
+from qwen_serving import memory, plan  # noqa: E402
 
 RUN_TIMEOUT_S = 1200
+# Servers booted side by side, packed by a GPU memory estimate (GiB): beyond each one's weights and pool, the memory
+# model's CUDA-graph allowance (1.2; the servers measured 0.11-0.39 where no other server allocated during their
+# capture: vLLM's figure is a free-memory difference of the whole GPU), its 2 GiB activation peak and 1 GiB of CUDA
+# context and allocator slack
+GiB = memory.GiB
+GRAPHS_GIB = memory.CUDAGRAPH_BYTES / GiB
+OVERHEAD_GIB = memory.ACTIVATION_PEAK_BYTES / GiB + 1.0
+BOUND_GIB = 130.0  # of the H200's 140.4 GiB: visit 10 read 111 GiB in use with four 27B servers beside the smoke servers
+Item = TypeVar("Item")
+
+
+def first_fit(items: Sequence[Item], need: Callable[[Item], float], bound: float = BOUND_GIB) -> list[list[Item]]:
+    """First fit in priority order: each item in the earliest wave its estimate fits into (so an item never
+    displaces one before it); an item larger than the bound alone is its own wave."""
+    waves: list[list[Item]] = []
+    used: list[float] = []
+    for item in items:
+        gib = need(item)
+        for i in range(len(waves)):
+            if used[i] + gib <= bound:
+                waves[i].append(item)
+                used[i] += gib
+                break
+        else:
+            waves.append([item])
+            used.append(gib)
+    return waves
 
 
 def log(msg: str) -> None:

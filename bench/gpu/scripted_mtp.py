@@ -43,9 +43,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -89,6 +90,13 @@ TPOT = "vllm:request_time_per_output_token_seconds"
 # the greedy answers each speculating server is compared with: its own stack's, on the same files, without speculation
 BASELINES = {"stock": "scripted-stock", "patched": "scripted-patched-plain"}
 PREDICTIONS = {"stock": "prediction", "patched": "prediction_prepared"}  # the report's key for each stack's files
+# the high-agreement copy (fb.SCRIPTED_HIGH_AGREE): the same target, an MTP that proposes the chain successor after
+# 90% of the active tokens (scripted.redial_mtp), so greedy identity is shown where most drafts are accepted (at
+# DEFAULT_AGREE the plan accepted 54% of its greedy drafts at k=4, visit 10, under the issue's 60%); judged against
+# the plan's answers without speculation on the same target, with no prediction of its own (the target's is
+# scripted-patched-plain's; the MTP's alone would need a third reference run beside the servers)
+HIGH_AGREE = 0.9
+HIGH_ACCEPTANCE_FLOOR = 0.6
 CHISQ_TOKENS = 100_000  # the issue's floor, as 512-token answers (196 requests), the seats full
 CHISQ_ANSWER, CHISQ_CONCURRENCY = 512, 16
 CHISQ_PROMPT_LEN = 24
@@ -109,12 +117,13 @@ HOST_PROFILE_S = 10  # py-spy on the engine core while C1 answers stream (bench/
 QUALITY_TAG = "scripted-h200"
 PREFILL_AB_LENS = "1024,3072"  # within SCRIPTED_MAX_LEN
 SWEEP_SERVER_S = 60  # a sweep server's greedy, sampled and C1 parts
-# the sweep's boot order, by k: a budget that ends a sweep early leaves whole stock-beside-ours pairs; k=3 first,
-# the drafts of CTX=long and CTX=huge
-SWEEP_ORDER = (3, 2, 5, 7, 1)
-# servers booted together: four MTP servers and their pools fit the H200 (visit 10: about 111 GiB of its 140 in use,
-# 15-17.6 GiB of weights each); a fifth would not
-WAVE_SERVERS = 4
+# the sweep's boot order, by k: a budget that ends a sweep early leaves whole stock-beside-ours pairs; k=3 first
+# (the drafts of CTX=long and CTX=huge), then the large pools, so that the small ones share a wave with the
+# high-agreement server
+SWEEP_ORDER = (3, 5, 7, 2, 1)
+# servers booted together: packed by memory (run_full.first_fit under run_full.BOUND_GIB); weights as visit 10's
+# servers loaded them (boot_facts: synth's files 17.63 GiB, the prepared copy's 14.97)
+WEIGHTS_GIB = {"stock": 17.63, "patched": 14.97}
 # what --from-run takes from an earlier run by default: the first-wave servers whose code the sampler change after
 # visit 9 left alone (the single-user plan's MTP server is booted again)
 FROM_RUN_SERVERS = ("scripted-stock", "scripted-stock-mtp4", "scripted-patched-plain")
@@ -284,6 +293,12 @@ def greedy_walk_acceptance(firsts: Sequence[int], successor: Mapping[int, int], 
             emitted += kept + 1
             current = successor[last]
     return {"drafts": drafts, "acceptance_per_position": [a / drafts for a in accepted] if drafts else []}
+
+
+def acceptance_floor(per_position: Sequence[float], floor: float) -> dict:
+    """vLLM's draft acceptance rate (accepted / drafted: every step drafts k, so the mean over positions) >= floor."""
+    rate = sum(per_position) / len(per_position) if per_position else 0.0
+    return {"passed": rate >= floor, "acceptance": rate, "per_position": list(per_position), "floor": floor}
 
 
 def compare_acceptance(measured: Sequence[float], predicted: Sequence[float], within: float = ACCEPTANCE_WITHIN) -> dict:
@@ -605,24 +620,42 @@ def build_servers(args: argparse.Namespace, out: Path, configs: Sequence[fb.Benc
         paths = [str(args.patched_site), str(args.site)] if cfg.patched else [str(args.site)]
         probe = plan.Probe.detect(REPO)  # the plan's vLLM facts are vllm_028's, whichever vllm the server runs
         port = first_port + i
-        cmd = fb.server_command(cfg, python=args.python, ckpt=served_checkpoint(args, cfg.patched), port=port,
+        cmd = fb.server_command(cfg, python=args.python, ckpt=served_checkpoint(args, cfg.name), port=port,
                                 traces=out / f"traces-{cfg.name}", probe=probe)
         servers.append(run_full.Server(cfg, cmd, port, os.pathsep.join(paths), out / f"{cfg.name}.server.log"))
     return servers
 
 
+def server_gib(cfg: fb.BenchConfig) -> float:
+    """A server's GPU memory estimate: its files' weights, its pool, run_full's graphs and overhead."""
+    return (WEIGHTS_GIB[stack(cfg.name)] + int(cfg.knobs["KV_MEM"]) / run_full.GiB + run_full.GRAPHS_GIB
+            + run_full.OVERHEAD_GIB)
+
+
 def waves(args: argparse.Namespace, out: Path, taken: Sequence[str] = ()) -> list[list[run_full.Server]]:
-    """The first wave's servers, then the variants', then the sweep's in SWEEP_ORDER, each k's pair together (the
-    single-user plan's, then stock's), less those --from-run took from an earlier run, booted WAVE_SERVERS at a
-    time (ports never reused)."""
-    sweep = sorted(fb.SCRIPTED_SWEEP.values(), key=lambda c: (SWEEP_ORDER.index(sweep_k(c)), not c.patched))
-    configs = [c for c in (*fb.SCRIPTED_CONFIGS.values(), *fb.SCRIPTED_VARIANTS.values(), *sweep)
-               if c.name not in taken]
-    out_waves, port = [], args.base_port
-    for i in range(0, len(configs), WAVE_SERVERS):
-        out_waves.append(build_servers(args, out, configs[i:i + WAVE_SERVERS], port))
-        port += len(out_waves[-1])
-    return out_waves
+    """The first wave's servers, then the variants', the sweep's in SWEEP_ORDER (each k's pair together: the
+    single-user plan's, then stock's) and the high-agreement server, less those --from-run took from an earlier run
+    (and the high-agreement one when args.high_agree is 0). Packed in that order: a wave takes whole groups (a k's
+    pair is one) while the memory estimate stays within run_full.BOUND_GIB, so a budget that ends the run early
+    leaves whole pairs. Ports are never reused."""
+    pairs = [[fb.SCRIPTED_SWEEP[f"scripted-{which}-mtp{k}"] for which in ("patched", "stock")] for k in SWEEP_ORDER]
+    high = list(fb.SCRIPTED_HIGH_AGREE.values()) if getattr(args, "high_agree", HIGH_AGREE) else []
+    groups = [*([c] for c in (*fb.SCRIPTED_CONFIGS.values(), *fb.SCRIPTED_VARIANTS.values())), *pairs,
+              *([c] for c in high)]
+    out_waves: list[list[fb.BenchConfig]] = [[]]
+    used = 0.0
+    for group in ([c for c in g if c.name not in taken] for g in groups):
+        need = sum(server_gib(c) for c in group)
+        if out_waves[-1] and used + need > run_full.BOUND_GIB:
+            out_waves.append([])
+            used = 0.0
+        out_waves[-1] += group
+        used += need
+    servers, port = [], args.base_port
+    for wave in (w for w in out_waves if w):
+        servers.append(build_servers(args, out, wave, port))
+        port += len(wave)
+    return servers
 
 
 def sweep_k(cfg: fb.BenchConfig) -> int:
@@ -643,7 +676,7 @@ def judge(rec: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], samples:
             proposal = {int(t): v for t, v in pred["mtp_proposal"].items()}
             firsts = [successor[p["ids"][-1]] for p in greedy_prompts]
             walks[which] = {k: greedy_walk_acceptance(firsts, successor, proposal, k, MAX_TOKENS)
-                            for k in {m.get("k", K) for name, m in meas.items() if stack(name) == which} if k}
+                            for k in {m.get("k", K) for name, m in meas.items() if files(name) == which} if k}
             rec[f"{key}_greedy_walk"] = {str(k): w for k, w in walks[which].items()}
         check = pred.get("reference_check")
         if check:
@@ -653,7 +686,7 @@ def judge(rec: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], samples:
     for name, m in meas.items():
         k = m.get("k", K)
         greedy = m.get("greedy")
-        pred, walk = rec.get(PREDICTIONS[stack(name)]) or {}, walks.get(stack(name), {})
+        pred, walk = rec.get(PREDICTIONS.get(files(name), "")) or {}, walks.get(files(name), {})
         baseline = BASELINES[stack(name)]
         reference = traces.get(baseline)
         if greedy and name in traces:
@@ -667,6 +700,9 @@ def judge(rec: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], samples:
             if k in walk and greedy["spec"]["speculative"]:
                 checks[f"{name}: greedy acceptance per position = the exact greedy walk"] = compare_acceptance(
                     greedy["spec"]["per_position_acceptance"], walk[k]["acceptance_per_position"])
+            if files(name) == "high" and greedy["spec"]["speculative"]:
+                checks[f"{name}: greedy drafts accepted at least {HIGH_ACCEPTANCE_FLOOR:.0%} of the time"] = \
+                    acceptance_floor(greedy["spec"]["per_position_acceptance"], HIGH_ACCEPTANCE_FLOOR)
         sampled = m.get("sampled")
         default = (pred.get("by_k") or {}).get(f"default_{m.get('draft_sample')}_drafts", {}).get(str(k))
         if sampled and default:
@@ -770,8 +806,15 @@ def stack(name: str) -> str:
     return "patched" if "-patched-" in name else "stock"
 
 
-def served_checkpoint(args: argparse.Namespace, patched: bool) -> Path:
-    return args.prepared_ckpt if patched else args.ckpt
+def files(name: str) -> str:
+    """The files a server serves, as PREDICTIONS names them: synth's (stock), the prepared copy (patched), the
+    prepared high-agreement copy (high)."""
+    return "high" if name in fb.SCRIPTED_HIGH_AGREE else stack(name)
+
+
+def served_checkpoint(args: argparse.Namespace, name: str) -> Path:
+    return {"stock": args.ckpt, "patched": args.prepared_ckpt,
+            "high": getattr(args, "high_prepared_ckpt", None)}[files(name)]
 
 
 class Predictor:
@@ -832,7 +875,7 @@ def chisq_rows_child(name: str, out: Path, env: Mapping[str, str], args: argpars
     with open(out / f"{name}-chisq-rows.log", "w") as log_file:
         return subprocess.Popen([args.python, str(Path(__file__).resolve()), "--chisq-rows",
                                  str(out / f"{name}-chisq-samples.json"), str(out / f"{name}-chisq-rows.json"),
-                                 "--ckpt", str(served_checkpoint(args, stack(name) == "patched")),
+                                 "--ckpt", str(served_checkpoint(args, name)),
                                  "--device", args.device], cwd=REPO, env=dict(env), stdout=subprocess.DEVNULL,
                                 stderr=log_file)
 
@@ -867,6 +910,33 @@ def dial_difference(earlier: Mapping, this: Mapping) -> str | None:
         if earlier.get(dial) != this.get(dial):
             return f"its checkpoint has {dial} {earlier.get(dial)}, this one {this.get(dial)}"
     return None
+
+
+def in_background(fn: Callable, *args) -> Future:
+    """fn(*args) on a daemon thread (a killed run does not wait for it), its outcome in the Future."""
+    future: Future = Future()
+
+    def work() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 (the caller reads it from the Future)
+            future.set_exception(err)
+
+    threading.Thread(target=work, daemon=True).start()
+    return future
+
+
+def take_high_copy(rec: Record, high_copy: Future, servers: list[run_full.Server], wait_s: float, t0: float) -> None:
+    """Waits up to wait_s for the high-agreement copy; without it, its servers leave the wave (recorded)."""
+    try:
+        rec.data["checkpoint"]["high_agree"] = high_copy.result(timeout=max(wait_s, 1.0))
+    except Exception as err:  # whatever stopped it, the wave boots without its servers
+        rec.data["errors"]["high-agreement copy"] = f"{type(err).__name__}: {err}"
+        dropped = [s for s in servers if files(s.cfg.name) == "high"]
+        rec.data["skipped"] += [f"{s.cfg.name}: not booted (no high-agreement copy)" for s in dropped]
+        servers[:] = [s for s in servers if s not in dropped]
+    rec.phase("high-agreement copy ready", time.monotonic() - t0)
+    rec.save()
 
 
 def take_servers(rec: Record, report: Path, servers: Sequence[str]) -> list[str]:
@@ -936,35 +1006,69 @@ def make_checkpoint(args: argparse.Namespace, env: Mapping[str, str], out: Path,
 
 
 def prepare_copy(args: argparse.Namespace, env: Mapping[str, str], out: Path,
-                 left: Callable[[float], float]) -> dict:
-    """args.prepared_ckpt: a hard-linked copy of args.ckpt (prepare/'s steps never write into a file they did not
-    create, so the links stay the originals' bytes), then prepare/'s int8 steps and the draft head, each a no-op
-    when prepared.json records it; prepare_status's lines at the end. Returns each step's seconds."""
+                 left: Callable[[float], float], src: Path | None = None, dst: Path | None = None) -> dict:
+    """dst (default args.prepared_ckpt): a hard-linked copy of src (default args.ckpt; prepare/'s steps never write
+    into a file they did not create, so the links stay the originals' bytes), then prepare/'s int8 steps and the
+    draft head, each a no-op when prepared.json records it; prepare_status's lines at the end. Returns each step's
+    seconds. Logs to OUT/prepare-<dst's name>.log."""
     from qwen_serving.checkpoint import scripted
 
+    src, dst = src or args.ckpt, dst or args.prepared_ckpt
     done: dict = {"steps_s": {}}
-    if not (args.prepared_ckpt / "config.json").exists():
-        staging = args.prepared_ckpt.with_name(f".{args.prepared_ckpt.name}.linking")
+    if not (dst / "config.json").exists():
+        staging = dst.with_name(f".{dst.name}.linking")
         shutil.rmtree(staging, ignore_errors=True)
-        shutil.copytree(args.ckpt, staging, copy_function=os.link)
-        staging.rename(args.prepared_ckpt)
-    ids = args.prepared_ckpt / scripted.DRAFT_IDS_FILE
-    commands = [(step, ["prepare/" + f"{step}.py", str(args.prepared_ckpt)]) for step in PREPARE_STEPS]
-    commands.append(("build_draft_vocab", ["prepare/build_draft_vocab.py", str(args.prepared_ckpt), "--ids", str(ids)]))
-    with open(out / "prepare.log", "a") as prepare_log:
+        shutil.copytree(src, staging, copy_function=os.link)
+        staging.rename(dst)
+    ids = dst / scripted.DRAFT_IDS_FILE
+    commands = [(step, ["prepare/" + f"{step}.py", str(dst)]) for step in PREPARE_STEPS]
+    commands.append(("build_draft_vocab", ["prepare/build_draft_vocab.py", str(dst), "--ids", str(ids)]))
+    log_path = out / f"prepare-{dst.name}.log"
+    with open(log_path, "a") as prepare_log:
         for step, argv in commands:
             t0 = time.monotonic()
-            log(f"prepared copy: {step}")
+            log(f"prepared copy {dst.name}: {step}")
             try:
                 subprocess.run([args.python, *argv], cwd=REPO, env=dict(env), check=True,
                                timeout=left(LIMITS["prepare"]) or 1, stdout=prepare_log, stderr=subprocess.STDOUT)
             except subprocess.SubprocessError as err:
-                raise CheckpointError(f"prepare step {step} failed: {err} (see prepare.log)") from err
+                raise CheckpointError(f"prepare step {step} failed: {err} (see {log_path.name})") from err
             done["steps_s"][step] = round(time.monotonic() - t0, 1)
-        status = subprocess.run([args.python, "-m", "qwen_serving.checkpoint.prepare_status", str(args.prepared_ckpt)],
+        status = subprocess.run([args.python, "-m", "qwen_serving.checkpoint.prepare_status", str(dst)],
                                 cwd=REPO, env=dict(env), capture_output=True, text=True, timeout=120)
     done["prepare_status"] = (status.stdout + status.stderr).strip().splitlines()
     return done
+
+
+def make_high_copy(args: argparse.Namespace, env: Mapping[str, str], out: Path,
+                   left: Callable[[float], float]) -> dict:
+    """args.high_ckpt: args.ckpt with its MTP at --high-agree (scripted redial, unless one is there, checked to hold
+    the same target), then its prepared copy args.high_prepared_ckpt. Returns what was made and how long it took."""
+    from qwen_serving.checkpoint.scripted import Design
+
+    made: dict = {"dir": str(args.high_ckpt), "prepared_dir": str(args.high_prepared_ckpt), "mtp_agree_asked":
+                  args.high_agree}
+    t0 = time.monotonic()
+    if not (args.high_ckpt / "config.json").exists():
+        log(f"the high-agreement copy: {args.high_ckpt} (--mtp-agree {args.high_agree})")
+        try:
+            with open(out / "redial.log", "w") as redial_log:
+                subprocess.run([args.python, "-m", "qwen_serving.checkpoint.scripted", "redial", str(args.ckpt),
+                                "--mtp-agree", str(args.high_agree), "--out", str(args.high_ckpt)],
+                               cwd=REPO, env=dict(env), check=True, timeout=left(LIMITS["synth"]) or 1,
+                               stdout=redial_log, stderr=subprocess.STDOUT)
+        except subprocess.SubprocessError as err:
+            raise CheckpointError(f"scripted redial failed: {err} (see redial.log)") from err
+        made["redial_s"] = round(time.monotonic() - t0, 1)
+    base, high = Design.read(args.ckpt), Design.read(args.high_ckpt)
+    if abs(high.mtp_agree - args.high_agree) > 1e-9:
+        raise CheckpointError(f"{args.high_ckpt} has --mtp-agree {high.mtp_agree}, not {args.high_agree}")
+    if (high.seed, high.active, high.chain, high.alternatives) != (base.seed, base.active, base.chain,
+                                                                   base.alternatives):
+        raise CheckpointError(f"{args.high_ckpt} holds another target than {args.ckpt}: remove it")
+    made["mtp_agree"] = high.mtp_agree
+    made["prepared"] = prepare_copy(args, env, out, left, src=args.high_ckpt, dst=args.high_prepared_ckpt)
+    return made
 
 
 def run(args: argparse.Namespace) -> int:
@@ -991,6 +1095,9 @@ def run(args: argparse.Namespace) -> int:
         rec.data["errors"]["checkpoint"] = str(err)
         rec.phase("checkpoint", time.monotonic() - t0)
         return 1
+    # the high-agreement copy (CPU work) while the first waves boot and measure; its server waits for it
+    high_copy = in_background(make_high_copy, args, env, out, left) if args.high_agree else None
+    t_high = time.monotonic()
     from qwen_serving.checkpoint.scripted import Design
 
     design = Design.read(args.ckpt)
@@ -1011,7 +1118,7 @@ def run(args: argparse.Namespace) -> int:
             rec.save()
             return 1
     all_waves = waves(args, out, taken)
-    predictors = [Predictor(PREDICTIONS[which], served_checkpoint(args, which == "patched"), out)
+    predictors = [Predictor(PREDICTIONS[which], {"stock": args.ckpt, "patched": args.prepared_ckpt}[which], out)
                   for which in ("stock", "patched")]
     take_predictions(rec, predictors, args, env, out)  # the first starts now
 
@@ -1031,6 +1138,8 @@ def run(args: argparse.Namespace) -> int:
                 if deadline - time.monotonic() < need:
                     rec.data["skipped"] += [f"{s.cfg.name}: not booted (run budget spent)" for s in servers]
                     continue
+            if high_copy is not None and any(files(s.cfg.name) == "high" for s in servers):
+                take_high_copy(rec, high_copy, servers, left(LIMITS["synth"] + LIMITS["prepare"]), t_high)
             t_boot = time.monotonic()
             boot(servers, rec, out, left(LIMITS["boot"]))
             if index == 0:  # measuring starts now; the predictions join the report when they are written
@@ -1085,7 +1194,7 @@ def sweep_table(meas: Mapping[str, dict]) -> list[dict]:
     """Per server with a C1 measure: stack, k, tokens per step, ms per step, decode tok/s (the server's counters)."""
     rows = []
     for name, m in meas.items():
-        if name in fb.SCRIPTED_VARIANTS:
+        if name in fb.SCRIPTED_VARIANTS or name in fb.SCRIPTED_HIGH_AGREE:
             continue  # one k per stack in the sweep; a variant is set against its k in the report
         c1 = m.get("c1") or {}
         if not c1.get("server_tpot_ms"):
@@ -1148,7 +1257,7 @@ def measure_one(server: run_full.Server, rec: Record, prompts: Prompts, sampling
     c1 = prompts.c1[:2] if sweep else prompts.c1
     parts: list[tuple[str, Callable[[], dict]]] = [
         ("greedy", lambda: measure_greedy(client, model, [p["ids"] for p in prompts.greedy]))]
-    if m["draft_sample"]:
+    if m["draft_sample"] and files(name) != "high":  # the high copy has no prediction to set it against
         parts.append(("sampled", lambda: measure_sampled(client, model, prompts.sampled, sampling)))
     parts.append(("c1", lambda: measure_c1(client, model, c1, sampling)))
     extra = {"chisq": lambda: measure_chisq(client, model, prompts.chisq),
@@ -1184,6 +1293,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prepared-ckpt", type=Path, default=Path("/tmp/qwen-scripted-full-prepared"),
                    help="the patched servers' prepared copy, made here if missing (default %(default)s)")
     p.add_argument("--agree", type=float, default=DEFAULT_AGREE, help="--mtp-agree of the checkpoint (%(default)s)")
+    p.add_argument("--high-agree", type=float, default=HIGH_AGREE,
+                   help="--mtp-agree of the high-agreement copy (%(default)s; 0: no copy, no server on it)")
+    p.add_argument("--high-ckpt", type=Path, default=Path("/tmp/qwen-scripted-full-agree90"),
+                   help="where the high-agreement copy is made (hard links beside --ckpt; default %(default)s)")
+    p.add_argument("--high-prepared-ckpt", type=Path, default=Path("/tmp/qwen-scripted-full-agree90-prepared"),
+                   help="its prepared copy (default %(default)s)")
     p.add_argument("--coverage", type=float, default=DEFAULT_COVERAGE,
                    help="--draft-coverage of the checkpoint (%(default)s)")
     p.add_argument("--only", choices=("checkpoint", "prepare"),
@@ -1231,6 +1346,8 @@ def make_only(args: argparse.Namespace) -> int:
         made = make_checkpoint(args, env, out, left)
         if args.only == "prepare":
             made["prepared"] = prepare_copy(args, env, out, left)
+            if args.high_agree:
+                made["high_agree"] = make_high_copy(args, env, out, left)
     except CheckpointError as err:
         log(f"--only {args.only}: {err}")
         return 1
@@ -1289,7 +1406,9 @@ def main(argv: list[str]) -> int:
         print(br.sweep_markdown(data["sweep"]))
         return 0
     if args.dry_run:
-        for wave in waves(args, args.out.resolve(), args.from_run_servers if args.from_run else ()):
+        for i, wave in enumerate(waves(args, args.out.resolve(), args.from_run_servers if args.from_run else ())):
+            print(f"## wave {i}: {len(wave)} servers, ~{sum(server_gib(s.cfg) for s in wave):.1f} of "
+                  f"{run_full.BOUND_GIB} GiB")
             for s in wave:
                 print(f"# {s.cfg.name} (port {s.port}): {s.cfg.what}\nPYTHONPATH={s.pythonpath} {s.cmd.shell()}")
         return 0

@@ -2,6 +2,7 @@
 
     python -m qwen_serving.checkpoint.synth --size tiny --out DIR --seed S --behaviour scripted \
         [--mtp-agree Q] [--draft-coverage R]
+    python -m qwen_serving.checkpoint.scripted redial DIR --mtp-agree Q --out DIR2   (DIR's target, another MTP dial)
 
 The design (docs/scripted-model.md has the maths):
 - an "active" vocabulary of tokenizer tokens with exactly orthonormal directions u_t, plus one shared
@@ -28,8 +29,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -138,8 +141,19 @@ def make_design(size: str, seed: int, mtp_agree: float, draft_coverage: float | 
         while len(alts) < len(ALT_LOGITS):
             alts.append(_pick(gen, core, {t, chain_of[t], *alts}))
         alternatives.append(alts)
-    succ = {t: {chain_of[t], *alts} for t, alts in zip(active, alternatives, strict=True)}
+    chain = [chain_of[t] for t in active]
+    draft_ids = None if draft_coverage is None else _draft_ids(seed, active, core, draft_coverage)
+    return Design(hidden=d.hidden, vocab=d.vocab, seed=seed, mtp_agree=mtp_agree, active=active, chain=chain,
+                  alternatives=alternatives, mtp_source=_mtp_source(seed, active, chain, alternatives, core, mtp_agree),
+                  core=core, draft_ids=draft_ids)
 
+
+def _mtp_source(seed: int, active: list[int], chain: list[int], alternatives: list[list[int]], core: list[int],
+                mtp_agree: float) -> list[int]:
+    """pi(t) for each active token: t itself for the agreeing share, else a token whose successors the target
+    rules out after t. Its own random stream: the target's design does not depend on the dial."""
+    chain_of = dict(zip(active, chain, strict=True))
+    succ = {t: {chain_of[t], *alts} for t, alts in zip(active, alternatives, strict=True)}
     # agreeing tokens: a share q of the core and of the rest (step starts after a rejection land on the
     # core more often), chosen by seeded permutations
     agree_gen = _rng(seed, "mtp-agree")
@@ -147,6 +161,7 @@ def make_design(size: str, seed: int, mtp_agree: float, draft_coverage: float | 
     agreeing: set[int] = set()
     for part in (core, [t for t in active if t not in core_set]):
         agreeing |= {part[i] for i in torch.randperm(len(part), generator=agree_gen)[: round(mtp_agree * len(part))]}
+    position = {t: j for j, t in enumerate(active)}
     mtp_source = []
     for t in active:
         if t in agreeing:
@@ -155,14 +170,56 @@ def make_design(size: str, seed: int, mtp_agree: float, draft_coverage: float | 
         # a token whose chain successor and alternatives the target gives ~0 probability after t
         while True:
             s = _pick(agree_gen, active, {t})
-            j = active.index(s)
-            if not ({chain_of[s], *alternatives[j]} & (succ[t] | {t})):
+            if not ({chain_of[s], *alternatives[position[s]]} & (succ[t] | {t})):
                 break
         mtp_source.append(s)
-    draft_ids = None if draft_coverage is None else _draft_ids(seed, active, core, draft_coverage)
-    return Design(hidden=d.hidden, vocab=d.vocab, seed=seed, mtp_agree=mtp_agree, active=active,
-                  chain=[chain_of[t] for t in active], alternatives=alternatives, mtp_source=mtp_source,
-                  core=core, draft_ids=draft_ids)
+    return mtp_source
+
+
+def redial_mtp(base: Path, out: Path, mtp_agree: float) -> Path:
+    """A scripted checkpoint like `base` (straight from synth) whose MTP agrees at `mtp_agree`: only the MTP's
+    `fc` depends on the dial, so every file but fc's shard and the design files is a hard link to base's, and the
+    result equals what synth writes at that dial. Written beside `out` (which must not exist), then renamed."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from qwen_serving.checkpoint.model_dir import MANIFEST_NAME
+    from qwen_serving.checkpoint.transaction import link_or_copy
+
+    if not 0.0 <= mtp_agree <= 1.0:
+        raise ValueError(f"--mtp-agree must be in [0, 1], got {mtp_agree}")
+    if out.exists():
+        raise FileExistsError(f"{out} exists; remove it or name another")
+    base_design = Design.read(base)
+    meta = json.loads((base / "synth.json").read_text())
+    if meta.get("behaviour") != "scripted" or (base / MANIFEST_NAME).exists():
+        raise ValueError(f"{base} is not a scripted checkpoint straight from synth (redial that one, then prepare)")
+    design = replace(base_design, mtp_agree=mtp_agree,
+                     mtp_source=_mtp_source(base_design.seed, base_design.active, base_design.chain,
+                                            base_design.alternatives, base_design.core, mtp_agree))
+    fc_shard = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]["mtp.fc.weight"]
+    rewritten = {fc_shard, DESIGN_FILE, DRAFT_IDS_FILE, "synth.json"}
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for path in sorted(base.iterdir()):
+            if path.name not in rewritten:
+                if not path.is_file():
+                    raise ValueError(f"{base}: {path.name} is not a plain file (a synth checkpoint has none)")
+                link_or_copy(path, tmp / path.name)
+        with safe_open(str(base / fc_shard), framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        tensors["mtp.fc.weight"] = _mtp_fc(design, _basis(design).float()).to(torch.bfloat16)
+        save_file(tensors, str(tmp / fc_shard), metadata={"format": "pt"})
+        os.chmod(tmp / fc_shard, 0o644)
+        write_design_files(tmp, design)
+        synth._write_json(tmp / "synth.json", {**meta, "mtp_agree": mtp_agree})
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def _draft_ids(seed: int, active: list[int], core: list[int], coverage: float) -> list[int]:
@@ -220,19 +277,23 @@ def _designed_tensors(design: Design) -> dict[str, torch.Tensor]:
             active_rows[index[succ]] += (logit - BACKGROUND_LOGIT) * u[i]
     lm_head[rows] = (active_rows * math.sqrt(2 / h)).to(torch.bfloat16)
 
-    # MTP fc: [F_e, 0] with F_e (u_t + u_0) = u_pi(t) + u_0
-    source = torch.tensor([index[s] for s in design.mtp_source])
-    f_e = u[source].T @ u + torch.outer(u0, u0)
-    fc = torch.cat([f_e, torch.zeros(h, h)], dim=1)
     out = {
         f"{synth.LM}embed_tokens.weight": embed,
         "lm_head.weight": lm_head,
-        "mtp.fc.weight": fc.to(torch.bfloat16),
+        "mtp.fc.weight": _mtp_fc(design, basis).to(torch.bfloat16),
     }
     # (1 + w) norms with w = 0: plain RMS normalisation, so the designed directions stay exact
     for norm in (f"{synth.LM}norm", "mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.norm"):
         out[f"{norm}.weight"] = torch.zeros(h, dtype=torch.bfloat16)
     return out
+
+
+def _mtp_fc(design: Design, basis: torch.Tensor) -> torch.Tensor:
+    """The MTP's fc, float32: [F_e, 0] with F_e (u_t + u_0) = u_pi(t) + u_0 (the hidden-state half is zero)."""
+    u0, u = basis[0], basis[1:]
+    source = torch.tensor([design.index[s] for s in design.mtp_source])
+    f_e = u[source].T @ u + torch.outer(u0, u0)
+    return torch.cat([f_e, torch.zeros(design.hidden, design.hidden)], dim=1)
 
 
 def _is_branch(module: str) -> bool:
@@ -352,3 +413,27 @@ def prompt_text(model_dir: str | Path, ids: list[int]) -> str:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).decode(ids, skip_special_tokens=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m qwen_serving.checkpoint.scripted",
+                                     description="Scripted checkpoints beyond synth's.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    redial = sub.add_parser("redial", help="a copy of a scripted checkpoint with another --mtp-agree (hard links "
+                                           "for everything the dial leaves alone)")
+    redial.add_argument("base", type=Path, help="a scripted checkpoint written by synth")
+    redial.add_argument("--mtp-agree", type=float, required=True)
+    redial.add_argument("--out", type=Path, required=True, help="the directory to create (must not exist)")
+    args = parser.parse_args(argv)
+    try:
+        out = redial_mtp(args.base.resolve(), args.out.resolve(), args.mtp_agree)
+    except (OSError, ValueError, KeyError) as err:
+        parser.exit(2, f"scripted redial: {err}\n")
+    print(f"scripted redial: wrote {out} (--mtp-agree {args.mtp_agree}, the target of {args.base})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

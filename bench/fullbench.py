@@ -133,7 +133,7 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
 # separately, and no request here calls a tool).
 SCRIPTED_MAX_LEN = 4096
 RAW_LOGITS = ("--logprobs-mode", "raw_logits")
-SCRIPTED_SWEEP_K = (1, 2, 3, 5, 7)
+SCRIPTED_SWEEP_K = (1, 2, 3, 5, 6, 7)
 PATCHED_SINGLE = {"TOOLS": "0"}
 
 
@@ -170,7 +170,7 @@ SCRIPTED_HIGH_AGREE: dict[str, BenchConfig] = {c.name: c for c in (
               "the single-user plan, MTP k=4, on the high-agreement copy (--mtp-agree 0.9)"),
 )}
 # the smallest pool (GB) that seats the greedy batch at each k (bench/gpu/scripted_mtp.py packs the waves by memory)
-SWEEP_POOL_GB = {"patched": {1: 3, 2: 4, 3: 4, 5: 6, 7: 8}, "stock": {1: 5, 2: 6, 3: 8, 5: 11, 7: 14}}
+SWEEP_POOL_GB = {"patched": {1: 3, 2: 4, 3: 4, 5: 6, 6: 7, 7: 8}, "stock": {1: 5, 2: 6, 3: 8, 5: 11, 6: 12, 7: 14}}
 SCRIPTED_SWEEP: dict[str, BenchConfig] = {c.name: c for c in (
     *(_scripted(f"scripted-patched-mtp{k}", True, {**_patched_mtp(k), **_pool(SWEEP_POOL_GB["patched"][k], 8)},
                 f"the single-user plan, MTP k={k}") for k in SCRIPTED_SWEEP_K),

@@ -135,11 +135,12 @@ def test_waves_are_packed_by_memory_in_order(tmp_path):
     taken = (*sm.FROM_RUN_SERVERS, "scripted-patched-mtp4", "scripted-patched-mtp4-fa2", "scripted-patched-mtp3",
              "scripted-stock-mtp3")
     rest = sm.waves(args, tmp_path, taken=taken)
-    assert [[s.cfg.name for s in w] for w in rest] == [
-        [f"scripted-{which}-mtp{k}" for k in sm.SWEEP_ORDER[1:3] for which in ("patched", "stock")],
-        [*(f"scripted-{which}-mtp{k}" for k in sm.SWEEP_ORDER[3:] for which in ("patched", "stock")),
-         *fb.SCRIPTED_HIGH_AGREE]]
-    assert [s.port for w in rest for s in w] == list(range(18060, 18069))
+    assert [s.cfg.name for w in rest for s in w] == [
+        *(f"scripted-{which}-mtp{k}" for k in sm.SWEEP_ORDER[1:] for which in ("patched", "stock")),
+        *fb.SCRIPTED_HIGH_AGREE]
+    for k in sm.SWEEP_ORDER[1:]:
+        assert len({i for i, w in enumerate(rest) for s in w if s.cfg.name.endswith(f"-mtp{k}")}) == 1, k
+    assert [s.port for w in rest for s in w] == list(range(18060, 18060 + 2 * len(sm.SWEEP_ORDER[1:]) + 1))
     # --high-agree 0: no server on the copy
     off = argparse.Namespace(**{**vars(args), "high_agree": 0.0})
     assert not [s for w in sm.waves(off, tmp_path) for s in w if s.cfg.name in fb.SCRIPTED_HIGH_AGREE]

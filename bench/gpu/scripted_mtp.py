@@ -119,8 +119,8 @@ PREFILL_AB_LENS = "1024,3072"  # within SCRIPTED_MAX_LEN
 SWEEP_SERVER_S = 60  # a sweep server's greedy, sampled and C1 parts
 # the sweep's boot order, by k: a budget that ends a sweep early leaves whole stock-beside-ours pairs; k=3 first
 # (the drafts of CTX=long and CTX=huge), then the large pools, so that the small ones share a wave with the
-# high-agreement server
-SWEEP_ORDER = (3, 5, 7, 2, 1)
+# high-agreement server; k=6 last (added after visit 11 had measured the rest)
+SWEEP_ORDER = (3, 5, 7, 2, 1, 6)
 # servers booted together: packed by memory (run_full.first_fit under run_full.BOUND_GIB); weights as visit 10's
 # servers loaded them (boot_facts: synth's files 17.63 GiB, the prepared copy's 14.97)
 WEIGHTS_GIB = {"stock": 17.63, "patched": 14.97}

@@ -639,7 +639,7 @@ def waves(args: argparse.Namespace, out: Path, taken: Sequence[str] = ()) -> lis
     pair is one) while the memory estimate stays within run_full.BOUND_GIB, so a budget that ends the run early
     leaves whole pairs. Ports are never reused."""
     pairs = [[fb.SCRIPTED_SWEEP[f"scripted-{which}-mtp{k}"] for which in ("patched", "stock")] for k in SWEEP_ORDER]
-    high = list(fb.SCRIPTED_HIGH_AGREE.values()) if getattr(args, "high_agree", HIGH_AGREE) else []
+    high = list(fb.SCRIPTED_HIGH_AGREE.values()) if args.high_agree else []
     groups = [*([c] for c in (*fb.SCRIPTED_CONFIGS.values(), *fb.SCRIPTED_VARIANTS.values())), *pairs,
               *([c] for c in high)]
     out_waves: list[list[fb.BenchConfig]] = [[]]
@@ -813,8 +813,8 @@ def files(name: str) -> str:
 
 
 def served_checkpoint(args: argparse.Namespace, name: str) -> Path:
-    return {"stock": args.ckpt, "patched": args.prepared_ckpt,
-            "high": getattr(args, "high_prepared_ckpt", None)}[files(name)]
+    which = files(name)
+    return args.high_prepared_ckpt if which == "high" else args.prepared_ckpt if which == "patched" else args.ckpt
 
 
 class Predictor:

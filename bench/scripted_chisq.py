@@ -62,24 +62,30 @@ def rank_test(samples: Sequence[Sequence[int]], rows: Sequence[Sequence[Mapping[
     import torch
 
     ranks = max((len(r) for seq in rows for r in seq), default=0)
-    x = torch.zeros(ranks, dtype=torch.float64)
-    cov = torch.zeros(ranks, ranks, dtype=torch.float64)
-    observed = torch.zeros(ranks, dtype=torch.float64)
+    # the sums run over tokens, but a token adds only its row's p: count ranks per row object, then sum in one go
+    seen: dict[int, tuple[Mapping[int, float], dict[int, int], int]] = {}  # id(row) -> (row, rank of token, index)
+    probs: list[list[float]] = []  # per row, likeliest first
+    counts: list[list[int]] = []  # per row, tokens sampled at each rank
     outside = tokens = 0
     for sample, seq_rows in zip(samples, rows, strict=True):
         for token, row in zip(sample, seq_rows, strict=True):
             tokens += 1
-            order = sorted(row, key=lambda t: -row[t])
             if token not in row:
                 outside += 1
                 continue
-            p = torch.zeros(ranks, dtype=torch.float64)
-            p[: len(order)] = torch.tensor([row[t] for t in order], dtype=torch.float64)
-            rank = order.index(token)
-            observed[rank] += 1
-            x[rank] += 1
-            x -= p
-            cov += torch.diag(p) - torch.outer(p, p)
+            entry = seen.get(id(row))
+            if entry is None:  # the entry holds the row, so its id is not reused while counting
+                order = sorted(row, key=lambda t: -row[t])
+                entry = seen[id(row)] = (row, {t: r for r, t in enumerate(order)}, len(counts))
+                probs.append([row[t] for t in order] + [0.0] * (ranks - len(order)))
+                counts.append([0] * ranks)
+            counts[entry[2]][entry[1][token]] += 1
+    p = torch.tensor(probs, dtype=torch.float64).reshape(len(probs), ranks)
+    n = torch.tensor(counts, dtype=torch.float64).reshape(len(counts), ranks)
+    weighted = n.sum(1, keepdim=True) * p  # each row's p once per token drawn from it
+    observed = n.sum(0)
+    x = observed - weighted.sum(0)
+    cov = torch.diag(weighted.sum(0)) - p.T @ weighted
     df = max(ranks - 1, 0)
     statistic = float(x[:df] @ torch.linalg.solve(cov[:df, :df], x[:df])) if df else 0.0
     p_value = chi2_sf(statistic, df)

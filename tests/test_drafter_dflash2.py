@@ -182,22 +182,25 @@ def _tree_env(name: str) -> dict[str, str]:
     return {**ENV, "PYTHONPATH": os.pathsep.join([str(tree(name).parent), str(REPO)])}
 
 
-def _vllm_load(target: Path, drafter: Path, vllm: str = "patched") -> dict:
-    report = drafter.parent / f"{drafter.name}-{vllm}-load.json"
-    proc = subprocess.run([sys.executable, "tests/helpers/dflash2_vllm_load.py", str(target), str(drafter), str(report)],
+def _vllm_loads(target: Path, drafters: list[Path], vllm: str = "patched") -> list[dict]:
+    """tests/helpers/dflash2_vllm_load.py's report for each drafter, all loaded in one child of the `vllm` tree."""
+    reports = [drafter.parent / f"{drafter.name}-{vllm}-load.json" for drafter in drafters]
+    pairs = [str(x) for drafter, report in zip(drafters, reports, strict=True) for x in (drafter, report)]
+    proc = subprocess.run([sys.executable, "tests/helpers/dflash2_vllm_load.py", str(target), *pairs],
                           env=_tree_env(vllm), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(report.read_text())
+    return [json.loads(report.read_text()) for report in reports]
 
 
-def _context_kv(target: Path, drafter: Path, states: Path, vllm: str, *extra: str) -> dict[str, torch.Tensor]:
-    """tests/helpers/dflash2_context_kv.py: the K/V vLLM's precompute caches for `states`, and its buffers."""
-    out = states.parent / f"{drafter.name}-{vllm}{''.join(extra)}.safetensors"
-    proc = subprocess.run([sys.executable, "tests/helpers/dflash2_context_kv.py", str(target), str(drafter),
-                           str(states), str(out), *extra], env=_tree_env(vllm), cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+def _context_kvs(target: Path, states: Path, vllm: str, runs: dict[str, tuple[Path, str]]) -> dict[str, dict]:
+    """tests/helpers/dflash2_context_kv.py in one child of the `vllm` tree: per run name, the K/V vLLM's precompute
+    caches for `states` and its buffers, for that run's (drafter, dtype)."""
+    outs = {name: states.parent / f"{name}-{vllm}.safetensors" for name in runs}
+    jobs = [str(x) for name, (drafter, dtype) in runs.items() for x in (drafter, outs[name], dtype)]
+    proc = subprocess.run([sys.executable, "tests/helpers/dflash2_context_kv.py", str(target), str(states), *jobs],
+                          env=_tree_env(vllm), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return load_file(str(out))
+    return {name: load_file(str(out)) for name, out in outs.items()}
 
 
 def _check_drafter(target: Path, drafter: Path, quantized: Path, method: str, before: dict[str, str],
@@ -213,7 +216,7 @@ def _check_drafter(target: Path, drafter: Path, quantized: Path, method: str, be
     assert len(record["modules"]) == (21 if bf16_qkv else 36) and record["kept_bf16"] == (qkv if bf16_qkv else [])
     assert not [p for p in quantized.parent.iterdir() if p.name.startswith(f".{quantized.name}.")
                 and not p.name.endswith(".lock")]  # nothing half-written beside it
-    report = report or _vllm_load(target, quantized)
+    report = report or _vllm_loads(target, [quantized])[0]
     assert report["loaded"], report
     layers = report["layers"]
     assert len(layers) == 1 + 4 * 5 and all(layer["bytes_equal"] for layer in layers.values()), layers
@@ -234,24 +237,37 @@ def rtn36(drafter, captured, tmp_path_factory) -> tuple[Path, dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def patched_load(target, rtn36) -> dict:
-    return _vllm_load(target, rtn36[0], "patched")
+def bf16qkv(drafter, captured, tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """The --bf16-qkv layout (21 matrices int4, round-to-nearest), and the bf16 drafter's state before."""
+    before = tree_state(drafter)
+    out = tmp_path_factory.mktemp("bf16qkv") / "dflash2-W4A16-bf16qkv"
+    proc = _quantize(drafter, captured[0], out, "--method", "rtn", "--bf16-qkv")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, before
 
 
-def test_the_rtn_drafter_passes_prepare_status_and_loads_in_vllm(target, drafter, captured, rtn36, patched_load,
-                                                                 capsys):
+@pytest.fixture(scope="module")
+def loads(target, rtn36, bf16qkv) -> dict[tuple[str, str], dict]:
+    """(tree, layout) -> load report: each tree loads both layouts in one child, the 36-matrix one last (stock
+    vLLM fails it, so a failed load is the last thing that child does)."""
+    layouts = {"bf16qkv": bf16qkv[0], "rtn36": rtn36[0]}
+    return {(vllm, layout): report for vllm in ("patched", "pristine")
+            for layout, report in zip(layouts, _vllm_loads(target, list(layouts.values()), vllm), strict=True)}
+
+
+def test_the_rtn_drafter_passes_prepare_status_and_loads_in_vllm(target, drafter, captured, rtn36, loads, capsys):
     out, before = rtn36
     capsys.readouterr()
-    _check_drafter(target, drafter, out, "rtn", before, report=patched_load)
+    _check_drafter(target, drafter, out, "rtn", before, report=loads["patched", "rtn36"])
     assert "dflash2-quantized-kv.patch" in capsys.readouterr().out  # the int4 q/k/v line names what loads them
     again = _quantize(drafter, captured[0], out, "--method", "rtn")
     assert again.returncode == 2 and "exists" in again.stderr
 
 
-def test_int4_qkv_loads_in_the_patched_vllm_only(target, rtn36, patched_load):
+def test_int4_qkv_loads_in_the_patched_vllm_only(loads):
     """Before / after dflash2-quantized-kv.patch: stock vLLM 0.28.0 fails the 36-matrix drafter at the end of
     load_weights (upstream vllm#51581), the patched tree loads it with every qkv_proj int4."""
-    pristine = _vllm_load(target, rtn36[0], "pristine")
+    pristine, patched_load = loads["pristine", "rtn36"], loads["patched", "rtn36"]
     assert not pristine["loaded"], pristine
     assert "AttributeError" in pristine["error"] and "'weight'" in pristine["error"], pristine
     assert "_build_context_kv_buffers" in pristine["traceback"], pristine
@@ -260,13 +276,10 @@ def test_int4_qkv_loads_in_the_patched_vllm_only(target, rtn36, patched_load):
     assert len(qkv) == 5 and all(layer["bits"] == 4 and layer["bytes_equal"] for layer in qkv.values()), qkv
 
 
-def test_bf16_qkv_keeps_q_k_v_bf16_and_loads_in_stock_vllm(target, drafter, captured, tmp_path):
-    before = tree_state(drafter)
-    out = tmp_path / "dflash2-W4A16-bf16qkv"
-    proc = _quantize(drafter, captured[0], out, "--method", "rtn", "--bf16-qkv")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _check_drafter(target, drafter, out, "rtn", before, bf16_qkv=True)
-    assert _vllm_load(target, out, "pristine")["loaded"]  # the layout a vLLM without the patch takes
+def test_bf16_qkv_keeps_q_k_v_bf16_and_loads_in_stock_vllm(target, drafter, bf16qkv, loads):
+    out, before = bf16qkv
+    _check_drafter(target, drafter, out, "rtn", before, bf16_qkv=True, report=loads["patched", "bf16qkv"])
+    assert loads["pristine", "bf16qkv"]["loaded"]  # the layout a vLLM without the patch takes
 
 
 def _states(drafter: Path, path: Path) -> torch.Tensor:
@@ -299,21 +312,33 @@ def _dequantized_drafter(drafter: Path, quantized: Path, out: Path) -> None:
     save_file(tensors, str(out / "model.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def context_kvs(target, drafter, rtn36, tmp_path_factory) -> tuple[torch.Tensor, dict[tuple[str, str], dict]]:
+    """The states, and (tree, run) -> what dflash2_context_kv.py wrote, one child per tree: "bf16", the bf16
+    drafter at its dtype (first, as a fresh process would), then "float32": the 36-matrix int4 drafter (patched)
+    or the bf16 drafter with its q/k/v dequantized from it (pristine)."""
+    root = tmp_path_factory.mktemp("context-kv")
+    states_path, reference = root / "states.safetensors", root / "dequantized"
+    states = _states(drafter, states_path)
+    _dequantized_drafter(drafter, rtn36[0], reference)
+    runs = {"pristine": {"bf16": (drafter, "auto"), "float32": (reference, "float32")},
+            "patched": {"bf16": (drafter, "auto"), "float32": (rtn36[0], "float32")}}
+    return states, {(vllm, name): kv for vllm, jobs in runs.items()
+                    for name, kv in _context_kvs(target, states_path, vllm, jobs).items()}
+
+
 def _relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     assert ours.shape == theirs.shape
     return float((ours - theirs).abs().max() / theirs.abs().max())
 
 
-def test_int4_context_kv_is_the_unquantized_path_on_the_dequantized_weights(target, drafter, rtn36, tmp_path):
+def test_int4_context_kv_is_the_unquantized_path_on_the_dequantized_weights(drafter, context_kvs):
     """The patched precompute of the 36-matrix drafter (each layer's int4 qkv_proj through vLLM's quant method
     down to MarlinLinearKernel.apply_weights, whose CUDA GEMM a CPU stand-in replaces) caches the K/V that stock
     vLLM's fused bf16-path GEMM computes from the dequantized q/k/v. Both in float32, so only summation order
     differs; on a GPU in bf16 the difference is bf16 rounding (not run)."""
-    states_path, reference = tmp_path / "states.safetensors", tmp_path / "dequantized"
-    states = _states(drafter, states_path)
-    _dequantized_drafter(drafter, rtn36[0], reference)
-    quantized = _context_kv(target, rtn36[0], states_path, "patched", "--float32")
-    unquantized = _context_kv(target, reference, states_path, "pristine", "--float32")
+    states, kv = context_kvs
+    quantized, unquantized = kv["patched", "float32"], kv["pristine", "float32"]
     layers = len(unquantized["k_norm_weights"])
     # the per-layer path: one Marlin GEMM per layer's qkv_proj, in layer order, and no fused weight
     assert quantized["marlin_calls"].tolist() == list(range(layers)) and "fused_kv_weight" not in quantized
@@ -329,19 +354,17 @@ def test_int4_context_kv_is_the_unquantized_path_on_the_dequantized_weights(targ
     assert all(_relative_error(quantized[f"v.{i}"], original[i][1]) > 1e-2 for i in range(layers))
 
 
-def test_the_bf16_drafter_s_buffers_and_context_kv_are_unchanged_by_the_patch(target, drafter, tmp_path):
+def test_the_bf16_drafter_s_buffers_and_context_kv_are_unchanged_by_the_patch(context_kvs):
     """The hook declines a bf16 qkv_proj: pristine and patched vLLM build the same fused K/V weight and K-norm
     weights at load and cache the same K/V, byte for byte (bf16, the drafter's dtype)."""
-    _states(drafter, tmp_path / "states.safetensors")
-    pristine = _context_kv(target, drafter, tmp_path / "states.safetensors", "pristine")
-    patched = _context_kv(target, drafter, tmp_path / "states.safetensors", "patched")
+    pristine, patched = context_kvs[1]["pristine", "bf16"], context_kvs[1]["patched", "bf16"]
     assert pristine["fused_kv_weight"].dtype == torch.bfloat16 and patched["marlin_calls"].numel() == 0
     assert sorted(pristine) == sorted(patched)
     for name in pristine:
         assert torch.equal(pristine[name], patched[name]), name
 
 
-def test_a_wrong_directory_is_a_clear_error(target, drafter, captured, tmp_path):
+def test_a_wrong_directory_is_a_clear_error(target, drafter, captured, rtn36, tmp_path):
     proc = _quantize(target, captured[0], tmp_path / "x", "--method", "rtn")
     assert proc.returncode == 2 and "not a DFlash2 drafter" in proc.stderr and not (tmp_path / "x").exists()
     plain = subprocess.run([sys.executable, "drafter/quantize.py", str(drafter), "--method", "rtn", "--capture",
@@ -350,9 +373,7 @@ def test_a_wrong_directory_is_a_clear_error(target, drafter, captured, tmp_path)
     capture = subprocess.run([sys.executable, "drafter/capture.py", str(target), "--dflash2", str(target), "--out",
                               str(tmp_path / "c.safetensors")], cwd=REPO, capture_output=True, text=True)
     assert capture.returncode == 2 and "not a DFlash2 drafter" in capture.stderr
-    quantized = tmp_path / "q"
-    assert _quantize(drafter, captured[0], quantized, "--method", "rtn").returncode == 0
-    again = _quantize(quantized, captured[0], tmp_path / "z", "--method", "rtn")
+    again = _quantize(rtn36[0], captured[0], tmp_path / "z", "--method", "rtn")  # a quantized drafter as input
     assert again.returncode == 2 and "already quantized" in again.stderr
 
 

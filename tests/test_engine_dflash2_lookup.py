@@ -163,8 +163,8 @@ def _vllm_blocks(target: Path, drafter: Path, anchors: list[int]) -> dict[int, l
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])),
            "OMP_NUM_THREADS": "1"}
     script = REPO / "tests" / "helpers" / "scripted_dflash2_vllm.py"
-    proc = subprocess.run([sys.executable, str(script), str(target), str(drafter), str(out), *map(str, anchors)],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    proc = subprocess.run([sys.executable, str(script), "--blocks-only", str(target), ",".join(map(str, anchors)),
+                           str(drafter), str(out)], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {int(a): block for a, block in json.loads(out.read_text())["blocks"].items()}
 

@@ -1,11 +1,15 @@
 """vLLM 0.28.0's DFlash2 context-KV precompute on the CPU over given rows; writes the K/V it caches.
 
-    python tests/helpers/dflash2_context_kv.py TARGET_DIR DRAFTER_DIR STATES.safetensors OUT.safetensors [--float32]
+    python tests/helpers/dflash2_context_kv.py TARGET_DIR STATES.safetensors DRAFTER_DIR OUT.safetensors DTYPE \
+        [DRAFTER_DIR OUT.safetensors DTYPE ...]
+
+Each drafter in turn, in one process (vLLM's import and the CPU world are most of a run's fixed cost), with its own
+engine config; DTYPE: auto (the drafter's) or float32.
 
 Whichever vLLM is importable (the pristine venv copy or the patched tree, by PYTHONPATH) builds and loads the
 drafter as tests/helpers/dflash2_vllm_load.py does (the engine config of `--speculative-config {"method":
 "dflash", ...}`, WNA16 forced to Marlin, DefaultModelLoader.load_weights, which ends in the drafter's own
-_build_fused_kv_buffers), at the drafter's dtype (bf16) or, with --float32, the engine's dtype float32. Then
+_build_fused_kv_buffers), at the drafter's dtype (bf16, DTYPE auto) or the engine's dtype float32. Then
 precompute_and_store_context_kv runs over STATES' `states` [N, H] (the rows after fc) at positions 0..N-1.
 CPU stand-ins, having no CPU kernel in this build: the fused rms_norm / rotary ops and the Attention layer
 (tests/helpers/scripted_dflash2_vllm.py; its impl keeps the K/V the precompute writes), and the body of
@@ -50,20 +54,16 @@ def marlin_on_cpu(kernel, layer, x, bias=None):
     return torch.nn.functional.linear(x, DequantizedInt4(layer).weight.to(x.dtype), bias)
 
 
-def main() -> None:
-    target, drafter, states_path, out_path = (Path(a) for a in sys.argv[1:5])
-    float32 = "--float32" in sys.argv[5:]
-    states = load_file(str(states_path))["states"]
-    wna16.choose_mp_linear_kernel = lambda config: wna16.MarlinLinearKernel
-    wna16.MarlinLinearKernel.apply_weights = marlin_on_cpu
-    config = EngineArgs(model=str(target), language_model_only=True, max_model_len=512, enforce_eager=True,
-                        dtype="float32" if float32 else "auto",
-                        speculative_config={"method": "dflash", "model": str(drafter),
-                                            "num_speculative_tokens": 7}).create_engine_config()
-    start_cpu_world(config)
+def engine_config(target: Path, drafter: Path, dtype: str):
+    return EngineArgs(model=str(target), language_model_only=True, max_model_len=512, enforce_eager=True, dtype=dtype,
+                      speculative_config={"method": "dflash", "model": str(drafter),
+                                          "num_speculative_tokens": 7}).create_engine_config()
+
+
+def context_kv(config, states: torch.Tensor) -> dict[str, torch.Tensor]:
+    """OUT's tensors (the module docstring's) for config's speculative model."""
+    MARLIN_CALLS.clear()
     draft_config = config.speculative_config.draft_model_config
-    _custom_ops.rms_norm = rms_norm
-    _custom_ops.rotary_embedding = rotary_embedding
     with set_current_vllm_config(config):
         with set_default_torch_dtype(draft_config.dtype), torch.device("cpu"):
             model = initialize_model(vllm_config=config, model_config=draft_config)
@@ -85,7 +85,22 @@ def main() -> None:
     out["marlin_calls"] = torch.tensor([layer_of.get(prefix, -1) for prefix in MARLIN_CALLS], dtype=torch.int64)
     for i, layer in enumerate(inner.layers):
         out[f"k.{i}"], out[f"v.{i}"] = layer.self_attn.attn.impl.context
-    save_file({k: v.contiguous() for k, v in out.items()}, str(out_path))
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def main() -> None:
+    target, states_path, jobs = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+    if not jobs or len(jobs) % 3 or not set(jobs[2::3]) <= {"auto", "float32"}:
+        sys.exit("usage: dflash2_context_kv.py TARGET STATES DRAFTER OUT {auto,float32} [DRAFTER OUT DTYPE ...]")
+    states = load_file(str(states_path))["states"]
+    wna16.choose_mp_linear_kernel = lambda config: wna16.MarlinLinearKernel
+    wna16.MarlinLinearKernel.apply_weights = marlin_on_cpu
+    _custom_ops.rms_norm = rms_norm
+    _custom_ops.rotary_embedding = rotary_embedding
+    configs = [engine_config(target, Path(drafter), dtype) for drafter, dtype in zip(jobs[::3], jobs[2::3], strict=True)]
+    start_cpu_world(configs[0])
+    for config, out_path in zip(configs, jobs[1::3], strict=True):
+        save_file(context_kv(config, states), out_path)
 
 
 if __name__ == "__main__":

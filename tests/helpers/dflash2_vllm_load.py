@@ -1,6 +1,9 @@
 """vLLM 0.28.0 builds and loads a (quantized) DFlash2 drafter on the CPU; writes what each linear came up as.
 
-    python tests/helpers/dflash2_vllm_load.py TARGET_DIR DRAFTER_DIR OUT.json
+    python tests/helpers/dflash2_vllm_load.py TARGET_DIR DRAFTER_DIR OUT.json [DRAFTER_DIR OUT.json ...]
+
+Several drafters load in turn in one process (vLLM's import and the CPU world are most of a run's fixed cost), each
+under its own engine config; a failed load ends that drafter's turn only.
 
 The engine config `--speculative-config {"method": "dflash", "model": DRAFTER_DIR, ...}` makes, vLLM's
 initialize_model and DefaultModelLoader.load_weights (its unfilled-parameter check and the drafter's
@@ -44,13 +47,14 @@ def stored_tensors(drafter: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def main() -> None:
-    target, drafter, out_path = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-    wna16.choose_mp_linear_kernel = lambda config: wna16.MarlinLinearKernel
-    config = EngineArgs(model=str(target), language_model_only=True, max_model_len=512, enforce_eager=True,
-                        speculative_config={"method": "dflash", "model": str(drafter),
-                                            "num_speculative_tokens": 7}).create_engine_config()
-    start_cpu_world(config)
+def engine_config(target: Path, drafter: Path):
+    return EngineArgs(model=str(target), language_model_only=True, max_model_len=512, enforce_eager=True,
+                      speculative_config={"method": "dflash", "model": str(drafter),
+                                          "num_speculative_tokens": 7}).create_engine_config()
+
+
+def load_report(config, drafter: Path) -> dict:
+    """OUT's record (the module docstring's) for config's speculative model, the drafter at `drafter`."""
     draft_config = config.speculative_config.draft_model_config
     stored = stored_tensors(drafter)
     with set_current_vllm_config(config):
@@ -59,9 +63,7 @@ def main() -> None:
         try:
             DefaultModelLoader(config.load_config).load_weights(model, draft_config)
         except Exception as e:  # the report says how it failed; the test decides
-            out_path.write_text(json.dumps({"loaded": False, "error": f"{type(e).__name__}: {e}",
-                                            "traceback": traceback.format_exc()[-2000:]}))
-            return
+            return {"loaded": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
     layers = {}
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -77,7 +79,19 @@ def main() -> None:
             equal = torch.equal(module.weight.data, torch.cat([stored[f"{p}.weight"] for p in parts]))
         layers[name] = {"scheme": type(scheme).__name__ if scheme else None,
                         "bits": getattr(scheme, "num_bits", None), "bytes_equal": bool(equal)}
-    out_path.write_text(json.dumps({"loaded": True, "layers": layers}))
+    return {"loaded": True, "layers": layers}
+
+
+def main() -> None:
+    target, pairs = Path(sys.argv[1]), sys.argv[2:]
+    if not pairs or len(pairs) % 2:
+        sys.exit("usage: dflash2_vllm_load.py TARGET DRAFTER OUT.json [DRAFTER OUT.json ...]")
+    wna16.choose_mp_linear_kernel = lambda config: wna16.MarlinLinearKernel
+    drafters = [Path(d) for d in pairs[::2]]
+    configs = [engine_config(target, drafter) for drafter in drafters]
+    start_cpu_world(configs[0])
+    for config, drafter, out_path in zip(configs, drafters, pairs[1::2], strict=True):
+        Path(out_path).write_text(json.dumps(load_report(config, drafter)))
 
 
 if __name__ == "__main__":

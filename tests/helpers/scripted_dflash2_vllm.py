@@ -1,6 +1,10 @@
 """vLLM 0.28.0's own DFlash2 drafter run on the CPU over a scripted drafter; writes its blocks as JSON.
 
-    python tests/helpers/scripted_dflash2_vllm.py TARGET_DIR DRAFTER_DIR OUT.json ANCHOR...
+    python tests/helpers/scripted_dflash2_vllm.py [--blocks-only] TARGET_DIR ANCHOR,ANCHOR,... DRAFTER_DIR OUT.json \
+        [DRAFTER_DIR OUT.json ...]
+
+Several drafters share one process (vLLM's import and the CPU world are most of a run's fixed cost).
+--blocks-only writes "blocks" and "candidates" alone: the greedy walk after the first context, no sampled walks.
 
 vLLM builds DFlash2Qwen3ForCausalLM from the drafter's config.json (the engine config that
 `--speculative-config '{"method": "dflash", "model": DRAFTER_DIR, "num_speculative_tokens": 7}'`
@@ -16,7 +20,7 @@ SAMPLED_TEMPERATURES. Replaced, having no CPU kernel in this build:
 - libdevice's log1p in the walk's Gumbel noise (no interpreter implementation): log(1 + x);
 - the Attention kernel: softmax attention of the block's queries over the stored context K/V and
   the block's own K/V (causal, as the drafter's sliding layers are).
-Writes {"blocks": {anchor: [7 drafts]}, "blocks_other_context": {...}, "blocks_sampled": {anchor: [one block
+Writes per drafter {"blocks": {anchor: [7 drafts]}, "blocks_other_context": {...}, "blocks_sampled": {anchor: [one block
 per temperature and context]}, "blocks_flattened_scores": {...}, "candidates": K}.
 """
 
@@ -165,17 +169,15 @@ def walk(scores: torch.Tensor, candidates: torch.Tensor, position: int, temperat
     return tokens.tolist()
 
 
-def main() -> None:
-    target, drafter, out_path = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-    anchors = [int(t) for t in sys.argv[4:]]
-    config = EngineArgs(model=str(target), language_model_only=True, max_model_len=512, enforce_eager=True,
-                        speculative_config={"method": "dflash", "model": str(drafter),
-                                            "num_speculative_tokens": DRAFTS}).create_engine_config()
-    start_cpu_world(config)
+def engine_config(target: Path, drafter: Path):
+    return EngineArgs(model=str(target), language_model_only=True, max_model_len=512, enforce_eager=True,
+                      speculative_config={"method": "dflash", "model": str(drafter),
+                                          "num_speculative_tokens": DRAFTS}).create_engine_config()
+
+
+def drafter_blocks(config, target: Path, anchors: list[int], blocks_only: bool = False) -> dict:
+    """One drafter's JSON record (the module docstring's keys), the drafter being config's speculative model."""
     draft_config = config.speculative_config.draft_model_config
-    _custom_ops.rms_norm = rms_norm
-    _custom_ops.rotary_embedding = rotary_embedding
-    gumbel.tldevice = InterpretedLibdevice
     with set_current_vllm_config(config):
         model = load_drafter_on_cpu(config, draft_config, target)
         hf = draft_config.hf_config
@@ -185,7 +187,7 @@ def main() -> None:
         result = {"candidates": int(hf.dflash_config["selector_top_k"])}
         sampled: dict[int, list[list[int]]] = {}
         control: dict[int, list[list[int]]] = {}
-        for key, context_len in (("blocks", 24), ("blocks_other_context", 40)):
+        for key, context_len in (("blocks", 24),) if blocks_only else (("blocks", 24), ("blocks_other_context", 40)):
             blocks = {}
             for anchor in anchors:
                 context = torch.randn(context_len, feature, generator=gen)
@@ -200,15 +202,35 @@ def main() -> None:
                     scores = model.model.candidate_selector(candidates[None], unary[None], hidden[None],
                                                             torch.tensor([anchor]))
                 blocks[anchor] = walk(scores, candidates[None], context_len + 1)
+                if blocks_only:
+                    continue
                 sampled.setdefault(anchor, []).extend(
                     walk(scores, candidates[None], context_len + 1, temperature, seed=anchor + i)
                     for i, temperature in enumerate(SAMPLED_TEMPERATURES))
-                # control: the same walk over scores shrunk 1000-fold (margin < 0.1) must wander
-                control.setdefault(anchor, []).extend(
-                    walk(scores * 1e-3, candidates[None], context_len + 1, 1.0, seed=anchor + i) for i in range(3))
+                # control: the same walk over scores shrunk 1000-fold (margin < 0.1) must wander; one walk per
+                # anchor and context is enough, every one of three per context wandered when there were three
+                control.setdefault(anchor, []).append(walk(scores * 1e-3, candidates[None], context_len + 1, 1.0,
+                                                           seed=anchor))
             result[key] = blocks
-    result["blocks_sampled"], result["blocks_flattened_scores"] = sampled, control
-    out_path.write_text(json.dumps(result))
+    if not blocks_only:
+        result["blocks_sampled"], result["blocks_flattened_scores"] = sampled, control
+    return result
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    blocks_only = args[:1] == ["--blocks-only"]
+    args = args[blocks_only:]
+    if len(args) < 4 or len(args) % 2:
+        sys.exit("usage: scripted_dflash2_vllm.py [--blocks-only] TARGET ANCHOR,... DRAFTER OUT.json [DRAFTER OUT.json ...]")
+    target, anchors, pairs = Path(args[0]), [int(t) for t in args[1].split(",")], args[2:]
+    configs = [engine_config(target, Path(drafter)) for drafter in pairs[::2]]
+    start_cpu_world(configs[0])
+    _custom_ops.rms_norm = rms_norm
+    _custom_ops.rotary_embedding = rotary_embedding
+    gumbel.tldevice = InterpretedLibdevice
+    for config, out_path in zip(configs, pairs[1::2], strict=True):
+        Path(out_path).write_text(json.dumps(drafter_blocks(config, target, anchors, blocks_only)))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 #17; one GPU run; bench/gpu/README.md). The first wave (bench.fullbench.SCRIPTED_CONFIGS: stock vLLM 0.28.0
 without speculation and with MTP k=4, the single-user plan without and with it) boots together while the
 reference checks the written weights at full size; then the servers are measured one after the other against
-what the weights predict, then the variant (SCRIPTED_VARIANTS) and the k sweep (SCRIPTED_SWEEP) boot, four
-servers a wave, each k's pair together (SWEEP_ORDER), as far as the budget goes.
+what the weights predict, then the variant (SCRIPTED_VARIANTS), the k sweep (SCRIPTED_SWEEP) and the plan on the
+high-agreement copy (SCRIPTED_HIGH_AGREE) boot, in waves packed by a memory estimate, each k's pair together
+(SWEEP_ORDER), as far as the budget goes.
 Stock serves the checkpoint as synth writes it (bf16 MTP and lm_head); the patched servers serve a prepared copy
 (hard links, then prepare/'s steps: int8 lm_head, embedding and MTP, the draft head from the design's
 --draft-coverage id list), as a user's single-user plan would, each judged by the prediction from its own files:

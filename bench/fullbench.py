@@ -163,11 +163,14 @@ SCRIPTED_VARIANTS: dict[str, BenchConfig] = {c.name: c for c in (
               "the single-user plan, MTP k=4, on FlashAttention 2 with the split-KV verify kernel (a 3090's path)",
               extra_args=FA2),
 )}
-# After the sweep: the plan at k=4 on the checkpoint's copy whose MTP agrees more often (scripted_mtp.HIGH_AGREE, the
-# same target), so that greedy identity is shown where most drafts are accepted
+# After the sweep: the plan at k=4 on the checkpoint's copy whose MTP agrees more often (--mtp-agree
+# SCRIPTED_HIGH_MTP_AGREE, the same target: bench/gpu/scripted_mtp.py makes it), so that greedy identity is shown
+# where most drafts are accepted
+SCRIPTED_HIGH_MTP_AGREE = 0.9
 SCRIPTED_HIGH_AGREE: dict[str, BenchConfig] = {c.name: c for c in (
-    _scripted("scripted-patched-mtp4-agree90", True, {**_patched_mtp(4), **_pool(5, 8)},
-              "the single-user plan, MTP k=4, on the high-agreement copy (--mtp-agree 0.9)"),
+    _scripted(f"scripted-patched-mtp4-agree{round(SCRIPTED_HIGH_MTP_AGREE * 100)}", True,
+              {**_patched_mtp(4), **_pool(5, 8)},
+              f"the single-user plan, MTP k=4, on the high-agreement copy (--mtp-agree {SCRIPTED_HIGH_MTP_AGREE})"),
 )}
 # the smallest pool (GB) that seats the greedy batch at each k (bench/gpu/scripted_mtp.py packs the waves by memory)
 SWEEP_POOL_GB = {"patched": {1: 3, 2: 4, 3: 4, 5: 6, 6: 7, 7: 8}, "stock": {1: 5, 2: 6, 3: 8, 5: 11, 6: 12, 7: 14}}

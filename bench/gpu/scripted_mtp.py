@@ -96,7 +96,7 @@ PREDICTIONS = {"stock": "prediction", "patched": "prediction_prepared"}  # the r
 # DEFAULT_AGREE the plan accepted 54% of its greedy drafts at k=4, visit 10, under the issue's 60%); judged against
 # the plan's answers without speculation on the same target, with no prediction of its own (the target's is
 # scripted-patched-plain's; the MTP's alone would need a third reference run beside the servers)
-HIGH_AGREE = 0.9
+HIGH_AGREE = fb.SCRIPTED_HIGH_MTP_AGREE
 HIGH_ACCEPTANCE_FLOOR = 0.6
 CHISQ_TOKENS = 100_000  # the issue's floor, as 512-token answers (196 requests), the seats full
 CHISQ_ANSWER, CHISQ_CONCURRENCY = 512, 16
@@ -122,8 +122,8 @@ SWEEP_SERVER_S = 60  # a sweep server's greedy, sampled and C1 parts
 # (the drafts of CTX=long and CTX=huge), then the large pools, so that the small ones share a wave with the
 # high-agreement server; k=6 last (added after visit 11 had measured the rest)
 SWEEP_ORDER = (3, 5, 7, 2, 1, 6)
-# servers booted together: packed by memory (run_full.first_fit under run_full.BOUND_GIB); weights as visit 10's
-# servers loaded them (boot_facts: synth's files 17.63 GiB, the prepared copy's 14.97)
+# servers booted together: packed by memory (waves(), under run_full.BOUND_GIB); weights as visit 10's servers
+# loaded them (boot_facts: synth's files 17.63 GiB, the prepared copy's 14.97)
 WEIGHTS_GIB = {"stock": 17.63, "patched": 14.97}
 # what --from-run takes from an earlier run by default: the first-wave servers whose code the sampler change after
 # visit 9 left alone (the single-user plan's MTP server is booted again)
@@ -659,10 +659,6 @@ def waves(args: argparse.Namespace, out: Path, taken: Sequence[str] = ()) -> lis
     return servers
 
 
-def sweep_k(cfg: fb.BenchConfig) -> int:
-    return int(cfg.knobs["DRAFT_TOKENS"])
-
-
 def judge(rec: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], samples: Mapping[str, list[list[int]]],
           rows: Mapping[str, list[list[dict[int, float]]]], design, greedy_prompts: list[dict]) -> dict:
     """Every check that the measurements so far allow, with its numbers."""
@@ -813,9 +809,13 @@ def files(name: str) -> str:
     return "high" if name in fb.SCRIPTED_HIGH_AGREE else stack(name)
 
 
+def checkpoint_of(args: argparse.Namespace, which: str) -> Path:
+    """The folder holding the files files() names `which`."""
+    return getattr(args, {"stock": "ckpt", "patched": "prepared_ckpt", "high": "high_prepared_ckpt"}[which])
+
+
 def served_checkpoint(args: argparse.Namespace, name: str) -> Path:
-    which = files(name)
-    return args.high_prepared_ckpt if which == "high" else args.prepared_ckpt if which == "patched" else args.ckpt
+    return checkpoint_of(args, files(name))
 
 
 class Predictor:
@@ -1119,8 +1119,7 @@ def run(args: argparse.Namespace) -> int:
             rec.save()
             return 1
     all_waves = waves(args, out, taken)
-    predictors = [Predictor(PREDICTIONS[which], {"stock": args.ckpt, "patched": args.prepared_ckpt}[which], out)
-                  for which in ("stock", "patched")]
+    predictors = [Predictor(PREDICTIONS[which], checkpoint_of(args, which), out) for which in ("stock", "patched")]
     take_predictions(rec, predictors, args, env, out)  # the first starts now
 
     def predictions(wait_s: float = 0.0) -> None:
@@ -1296,9 +1295,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--agree", type=float, default=DEFAULT_AGREE, help="--mtp-agree of the checkpoint (%(default)s)")
     p.add_argument("--high-agree", type=float, default=HIGH_AGREE,
                    help="--mtp-agree of the high-agreement copy (%(default)s; 0: no copy, no server on it)")
-    p.add_argument("--high-ckpt", type=Path, default=Path("/tmp/qwen-scripted-full-agree90"),
+    p.add_argument("--high-ckpt", type=Path, default=Path(f"/tmp/qwen-scripted-full-agree{round(HIGH_AGREE * 100)}"),
                    help="where the high-agreement copy is made (hard links beside --ckpt; default %(default)s)")
-    p.add_argument("--high-prepared-ckpt", type=Path, default=Path("/tmp/qwen-scripted-full-agree90-prepared"),
+    p.add_argument("--high-prepared-ckpt", type=Path,
+                   default=Path(f"/tmp/qwen-scripted-full-agree{round(HIGH_AGREE * 100)}-prepared"),
                    help="its prepared copy (default %(default)s)")
     p.add_argument("--coverage", type=float, default=DEFAULT_COVERAGE,
                    help="--draft-coverage of the checkpoint (%(default)s)")

@@ -124,8 +124,6 @@ def _pick(gen: torch.Generator, pool: list[int], avoid: set[int]) -> int:
 
 def make_design(size: str, seed: int, mtp_agree: float, draft_coverage: float | None) -> Design:
     """The active vocabulary, chain, alternatives, MTP map and draft ids (CPU, device-independent)."""
-    if not 0.0 <= mtp_agree <= 1.0:
-        raise ValueError(f"--mtp-agree must be in [0, 1], got {mtp_agree}")
     d = synth.SIZES[size]
     specials = set(special_token_ids().values())
     candidates = [t for t in range(tokenizer_size()) if t not in specials]
@@ -152,6 +150,8 @@ def _mtp_source(seed: int, active: list[int], chain: list[int], alternatives: li
                 mtp_agree: float) -> list[int]:
     """pi(t) for each active token: t itself for the agreeing share, else a token whose successors the target
     rules out after t. Its own random stream: the target's design does not depend on the dial."""
+    if not 0.0 <= mtp_agree <= 1.0:
+        raise ValueError(f"--mtp-agree must be in [0, 1], got {mtp_agree}")
     chain_of = dict(zip(active, chain, strict=True))
     succ = {t: {chain_of[t], *alts} for t, alts in zip(active, alternatives, strict=True)}
     # agreeing tokens: a share q of the core and of the rest (step starts after a rejection land on the
@@ -186,8 +186,6 @@ def redial_mtp(base: Path, out: Path, mtp_agree: float) -> Path:
     from qwen_serving.checkpoint.model_dir import MANIFEST_NAME
     from qwen_serving.checkpoint.transaction import link_or_copy
 
-    if not 0.0 <= mtp_agree <= 1.0:
-        raise ValueError(f"--mtp-agree must be in [0, 1], got {mtp_agree}")
     if out.exists():
         raise FileExistsError(f"{out} exists; remove it or name another")
     base_design = Design.read(base)

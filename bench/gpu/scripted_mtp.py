@@ -1096,9 +1096,6 @@ def run(args: argparse.Namespace) -> int:
         rec.data["errors"]["checkpoint"] = str(err)
         rec.phase("checkpoint", time.monotonic() - t0)
         return 1
-    # the high-agreement copy (CPU work) while the first waves boot and measure; its server waits for it
-    high_copy = in_background(make_high_copy, args, env, out, left) if args.high_agree else None
-    t_high = time.monotonic()
     from qwen_serving.checkpoint.scripted import Design
 
     design = Design.read(args.ckpt)
@@ -1119,6 +1116,11 @@ def run(args: argparse.Namespace) -> int:
             rec.save()
             return 1
     all_waves = waves(args, out, taken)
+    # the high-agreement copy (CPU work) while the first waves boot and measure, when a server of it is still to
+    # boot (--from-run may have taken it); that server waits for it
+    high_copy = (in_background(make_high_copy, args, env, out, left)
+                 if any(files(s.cfg.name) == "high" for wave in all_waves for s in wave) else None)
+    t_high = time.monotonic()
     predictors = [Predictor(PREDICTIONS[which], checkpoint_of(args, which), out) for which in ("stock", "patched")]
     take_predictions(rec, predictors, args, env, out)  # the first starts now
 

@@ -4,7 +4,7 @@
 #   setsid nohup bash tests/gpu/scripted_visit.sh > /tmp/visit.log 2>&1 < /dev/null &
 # 1. the patch series on a copy of vllm in $PATCHED_SITE ($SITE stays stock);
 # 2. the GPU tests in $QS_GPU_TESTS (default none: the first wave and the reference fill the GPU) in the
-#    background, log /tmp/visit-tests.log;
+#    background, stopped after $QS_VISIT_TESTS_LIMIT_S seconds (default 900), log /tmp/visit-tests.log;
 # 2a. (.whl/vllm-tests staged by tests/gpu/stage-vllm-tests.sh, QS_VLLM_TESTS=1 the default) vLLM's own
 #    sampler and rejection-sampler tests on the stock and the patched tree, in the background
 #    (tests/gpu/vllm_sampler_tests.sh; OUT/vllm-tests/vllm-sampler-tests.json);
@@ -29,7 +29,8 @@ source tests/gpu/visit_prepare.sh  # log(), step 1 and the environment
 
 if [ "$TESTS" != none ]; then
   log "2. GPU tests: $TESTS (log /tmp/visit-tests.log)"
-  QS_GPU_TESTS="$TESTS" QS_GPU_RESULTS=/tmp/visit-tests QS_GPU_WORK=/tmp/visit-tests-work QS_GPU_PYTEST_LIMIT_S=900 \
+  QS_GPU_TESTS="$TESTS" QS_GPU_RESULTS=/tmp/visit-tests QS_GPU_WORK=/tmp/visit-tests-work \
+    QS_GPU_PYTEST_LIMIT_S="${QS_VISIT_TESTS_LIMIT_S:-900}" \
     bash tests/gpu/run_on_device.sh > /tmp/visit-tests.log 2>&1 &
 fi
 

@@ -453,3 +453,13 @@ def test_build_report_and_atomic_write(tmp_path):
     assert json.loads(path.read_text())["measurements"]["prefix_cache"]["cached_tokens_second"] == 2944
     assert [p.name for p in path.parent.iterdir()] == ["gpu-smoke-h200.json"]
     assert math.isfinite(report["phases_s"]["runner_total"])
+
+
+def test_host_cpu_reads_the_model_and_count(tmp_path):
+    lib = _load_smoke_lib()
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Example CPU @ 2.0GHz\n\nprocessor\t: 1\n"
+                    "model name\t: Example CPU @ 2.0GHz\n")
+    got = lib.host_cpu(info)
+    assert got["model"] == "Example CPU @ 2.0GHz" and got["logical_cpus"] == 2 and got["load_1min"] >= 0
+    assert "error" in lib.host_cpu(tmp_path / "missing")

@@ -578,6 +578,18 @@ def test_measurements_end_to_end_and_a_wrong_acceptance_fails(tiny, prediction, 
     kept.write_text(json.dumps(earlier))
     assert sm.take_servers(later, kept, ["scripted-stock"]) == ["scripted-stock"]
     assert later.data["measurements"]["scripted-stock"]["from_run"] == "run8"
+    # ... and its answers are found in the origin's folder when the later report's folder does not repeat them
+    earlier["measurements"]["scripted-stock"]["from_run"] = "scripted-h200-mtp-run8.json (2026-12-01)"
+    kept.write_text(json.dumps(earlier))
+    origin = kept.parent / "scripted-h200-mtp-run8"
+    origin.mkdir()
+    (kept.with_suffix("") / "scripted-stock-greedy.json.gz").rename(origin / "scripted-stock-greedy.json.gz")
+    later.traces.clear()
+    assert sm.take_servers(later, kept, ["scripted-stock"]) == ["scripted-stock"]
+    assert len(later.traces["scripted-stock"]) == len(greedy)
+    (origin / "scripted-stock-greedy.json.gz").unlink()
+    with pytest.raises(sm.CheckpointError, match="has its answers"):
+        sm.take_servers(later, kept, ["scripted-stock"])
     # reference x2 (each stack's files); chain x4; identity, logits, greedy walk x2 (each against its own stack's
     # plain server); sampled x2; chi-square x2; prefix x2
     assert len(checks) == 2 + 4 + 2 * 3 + 2 + 2 + 2

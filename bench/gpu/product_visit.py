@@ -588,7 +588,7 @@ def run(args: argparse.Namespace) -> int:
     budget = Budget(args.budget_s)
     env = {**os.environ, **smoke_lib.DEVICE_ENV, "PYTHONPATH": os.pathsep.join([str(args.site), str(REPO)])}
     rec = sm.Record(out / REPORT, {
-        "schema": SCHEMA, "date": datetime.now(UTC).isoformat(timespec="seconds"), "gpu": smoke_lib.gpu_description(),
+        "schema": SCHEMA, "date": datetime.now(UTC).isoformat(timespec="seconds"), "gpu": smoke_lib.gpu_description(), "host_cpu": smoke_lib.host_cpu(),
         "gpu_state_at_start": run_full.gpu_state(),
         "versions": {"python": sys.version.split()[0], **smoke_lib.package_versions(smoke_lib.REPORTED_PACKAGES)},
         "patches": sm.patch_state(args.patched_site, args.python, {**env, "PYTHONPATH": os.pathsep.join(

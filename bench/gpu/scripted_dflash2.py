@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
 
     env = {**os.environ, **smoke_lib.DEVICE_ENV, "PYTHONPATH": os.pathsep.join([str(args.site), str(REPO)])}
     rec = sm.Record(out / REPORT, {
-        "schema": SCHEMA, "date": datetime.now(UTC).isoformat(timespec="seconds"), "gpu": smoke_lib.gpu_description(),
+        "schema": SCHEMA, "date": datetime.now(UTC).isoformat(timespec="seconds"), "gpu": smoke_lib.gpu_description(), "host_cpu": smoke_lib.host_cpu(),
         "versions": {"python": sys.version.split()[0], **smoke_lib.package_versions(smoke_lib.REPORTED_PACKAGES)},
         "checkpoint": str(args.ckpt), "drafter": str(args.drafter), "agree_asked": args.agree,
         "max_tokens": sm.MAX_TOKENS, "phases_s": {}, "prediction": None, "server": {}, "measurements": {},

@@ -723,7 +723,8 @@ def start_record(path: Path, args: argparse.Namespace, env: Mapping[str, str]) -
         patched_env["PYTHONPATH"] = os.pathsep.join([str(args.patched_site), env["PYTHONPATH"]])
     rec = Record(path, {
         "schema": SCHEMA, "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "gpu": smoke_lib.gpu_description(), "gpu_state_at_start": run_full.gpu_state(),
+        "gpu": smoke_lib.gpu_description(), "host_cpu": smoke_lib.host_cpu(),
+        "gpu_state_at_start": run_full.gpu_state(),
         "versions": {"python": sys.version.split()[0], **smoke_lib.package_versions(smoke_lib.REPORTED_PACKAGES)},
         "patches": patch_state(args.patched_site, args.python, patched_env),
         "checkpoint": {"dir": str(args.ckpt), "prepared_dir": str(args.prepared_ckpt), "mtp_agree_asked": args.agree,
@@ -946,20 +947,25 @@ def take_servers(rec: Record, report: Path, servers: Sequence[str]) -> list[str]
     folder named like it (REPORT's stem, `<server>-greedy.json.gz`, as bench/results keeps them). Their checks are
     judged again here against this run's predictions; a server whose chi-square samples are there too
     (`<server>-chisq-samples.json.gz`) has its reference rows computed in this run, as if it had sampled here.
-    A measurement the earlier run itself took from another keeps that origin. Returns the servers taken."""
+    A measurement the earlier run itself took from another keeps that origin, and its files are looked for in the
+    origin's folder too (bench/results keeps each file once, in the folder of the run that measured it). Returns
+    the servers taken."""
     earlier = json.loads(report.read_text())
     differs = dial_difference(earlier["checkpoint"], rec.data["checkpoint"])
     if differs:
         raise CheckpointError(f"--from-run {report}: {differs}")
     folder, taken = report.with_suffix(""), []
     for name in servers:
-        answers = folder / f"{name}-greedy.json.gz"
-        if name not in earlier["measurements"] or not answers.is_file():
+        if name not in earlier["measurements"]:
             continue
-        rec.data["measurements"][name] = {"from_run": f"{report.name} ({earlier['date']})", **earlier["measurements"][name]}
+        measured = earlier["measurements"][name]
+        answers = kept_file(report, measured, f"{name}-greedy.json.gz")
+        if answers is None:
+            continue
+        rec.data["measurements"][name] = {"from_run": f"{report.name} ({earlier['date']})", **measured}
         rec.traces[name] = [smoke_lib.GreedyTrace.from_record(r) for r in json.loads(gzip.decompress(answers.read_bytes()))]
-        samples = folder / f"{name}-chisq-samples.json.gz"
-        if samples.is_file():
+        samples = kept_file(report, measured, f"{name}-chisq-samples.json.gz")
+        if samples is not None:
             kept = json.loads(gzip.decompress(samples.read_bytes()))
             rec.keep_samples(name, kept["prompts"], kept["samples"])
         taken.append(name)
@@ -968,6 +974,15 @@ def take_servers(rec: Record, report: Path, servers: Sequence[str]) -> list[str]
     rec.data["from_run"] = {"report": report.name, "date": earlier["date"], "gpu": earlier.get("gpu"), "servers": taken}
     rec.save()
     return taken
+
+
+def kept_file(report: Path, measured: Mapping, file_name: str) -> Path | None:
+    """file_name in the folder named like REPORT, else in that of the run the measurement came from (its
+    `from_run`, "<report name> (<date>)", a report beside REPORT)."""
+    folders = [report.with_suffix("")]
+    if measured.get("from_run"):
+        folders.append(report.parent / Path(measured["from_run"].split(" (")[0]).stem)
+    return next((f / file_name for f in folders if (f / file_name).is_file()), None)
 
 
 class CheckpointError(RuntimeError):

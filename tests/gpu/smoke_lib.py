@@ -487,6 +487,7 @@ def build_report(
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "gpu": gpu_description(),
+        "host_cpu": host_cpu(),
         "versions": {"python": platform.python_version(), **package_versions(REPORTED_PACKAGES)},
         "patches": dict(patches),
         "pytest_exit_status": exit_status,
@@ -513,6 +514,18 @@ def gpu_description() -> dict[str, str]:
     if len(parts) != 3:
         return {"raw": first}
     return {"name": parts[0], "driver": parts[1], "memory": parts[2]}
+
+
+def host_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
+    """The host's CPU model, logical CPUs and 1-minute load at the start: a host-bound step (a speculative one
+    at C1) moves with them between machines."""
+    try:
+        models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                  if line.startswith("model name")]
+    except OSError as err:
+        return {"error": f"{cpuinfo}: {err}"}
+    return {"model": models[0] if models else None, "logical_cpus": len(models) or os.cpu_count(),
+            "load_1min": round(os.getloadavg()[0], 2)}
 
 
 def package_versions(names: Sequence[str]) -> dict[str, str | None]:

@@ -172,6 +172,16 @@ SCRIPTED_HIGH_AGREE: dict[str, BenchConfig] = {c.name: c for c in (
               {**_patched_mtp(4), **_pool(5, 8)},
               f"the single-user plan, MTP k=4, on the high-agreement copy (--mtp-agree {SCRIPTED_HIGH_MTP_AGREE})"),
 )}
+# Ablations (scripted_mtp.py --ablate PATCH): the plan at k=4 served from a vllm copy with the series less one patch,
+# booted in the plan's own k=4 server's wave, so that what the patch buys is a difference within one machine
+ABLATION_PREFIX = "scripted-patched-mtp4-without-"
+
+
+def scripted_ablation(patch: str) -> BenchConfig:
+    return _scripted(f"{ABLATION_PREFIX}{patch.removesuffix('.patch')}", True, {**_patched_mtp(4), **_pool(5, 8)},
+                     f"the single-user plan, MTP k=4, without {patch} (beside the plan's own k=4 server)")
+
+
 # the smallest pool (GB) that seats the greedy batch at each k (bench/gpu/scripted_mtp.py packs the waves by memory)
 SWEEP_POOL_GB = {"patched": {1: 3, 2: 4, 3: 4, 5: 6, 6: 7, 7: 8}, "stock": {1: 5, 2: 6, 3: 8, 5: 11, 6: 12, 7: 14}}
 SCRIPTED_SWEEP: dict[str, BenchConfig] = {c.name: c for c in (

@@ -116,7 +116,8 @@ def test_dry_run_prints_every_wave(tmp_path):
 
 def test_waves_are_packed_by_memory_in_order(tmp_path):
     args = argparse.Namespace(base_port=18060, site=Path("/s"), patched_site=Path("/p"), python=sys.executable,
-                              ckpt=CKPT, prepared_ckpt=CKPT, high_prepared_ckpt=CKPT, high_agree=sm.HIGH_AGREE)
+                              ckpt=CKPT, prepared_ckpt=CKPT, high_prepared_ckpt=CKPT, high_agree=sm.HIGH_AGREE,
+                              ablate=[], ablate_root=Path("/a"))
     full = sm.waves(args, tmp_path)
     for wave in full:
         assert sum(sm.server_gib(s.cfg) for s in wave) <= sm.run_full.BOUND_GIB
@@ -144,6 +145,52 @@ def test_waves_are_packed_by_memory_in_order(tmp_path):
     # --high-agree 0: no server on the copy
     off = argparse.Namespace(**{**vars(args), "high_agree": 0.0})
     assert not [s for w in sm.waves(off, tmp_path) for s in w if s.cfg.name in fb.SCRIPTED_HIGH_AGREE]
+    # --ablate: the plan at k=4 without a patch boots in the wave of the plan's own k=4 server, from its own copy
+    ablated = argparse.Namespace(**{**vars(args), "ablate": ["gdn-spec-rows-no-sync.patch"]})
+    first = sm.waves(ablated, tmp_path, taken=sm.FROM_RUN_SERVERS)[0]
+    name = f"{fb.ABLATION_PREFIX}gdn-spec-rows-no-sync"
+    assert [s.cfg.name for s in first][:2] == ["scripted-patched-mtp4", name]
+    server = first[1]
+    assert server.pythonpath.split(os.pathsep) == ["/a/gdn-spec-rows-no-sync", "/s"]
+    assert sm.draft_tokens(server.cmd) == sm.draft_tokens(first[0].cmd) == 4
+    assert str(sm.served_checkpoint(args, name)) in server.cmd.argv  # the prepared copy, as the plan's server
+
+
+def test_ablate_names_series_patches_and_keeps_the_plan_booting():
+    base = ["/o", "--dry-run", "--site", "/s", "--patched-site", "/p"]
+    assert sm.parse_args([*base, "--ablate", "gdn-spec-rows-no-sync.patch"]).ablate == ["gdn-spec-rows-no-sync.patch"]
+    with pytest.raises(SystemExit):
+        sm.parse_args([*base, "--ablate", "no-such.patch"])
+    with pytest.raises(SystemExit):  # the default --from-run-servers take the plan's k=4 server
+        sm.parse_args([*base, "--ablate", "gdn-spec-rows-no-sync.patch", "--from-run", "r.json",
+                       "--from-run-servers", "scripted-stock,scripted-patched-mtp4"])
+
+
+def test_an_ablation_copy_has_the_series_but_one_and_leaves_stock_alone(tmp_path, pristine_vllm):
+    from qwen_serving import patchset
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "vllm").symlink_to(pristine_vllm)  # the stock tree, read through a link as the device's /tmp/site
+    patches = patchset.read_series(patchset.DEFAULT_SERIES)
+    without = "gdn-spec-rows-no-sync.patch"
+    target = patches[[p.name for p in patches].index(without)].files[0]
+    before = (pristine_vllm / target).read_bytes()
+    dst = tmp_path / "ablate" / "gdn-spec-rows-no-sync"
+    applied = sm.make_ablation_site(site, dst, patches, without)
+    assert applied == [p.name for p in patches if p.name != without]
+    state = patchset.evaluate(dst / "vllm", patches).states
+    assert {n for n, s in state.items() if s is not patchset.State.APPLIED} == {without}
+    assert (pristine_vllm / target).read_bytes() == before  # stock untouched
+    assert (dst / "vllm" / target).stat().st_ino != (pristine_vllm / target).stat().st_ino
+    assert not list(dst.parent.glob(".*making"))
+    meas = {"scripted-patched-mtp4": {"c1": {"ms_per_step": 14.0, "spec": {"tokens_per_step": 3.1}}},
+            f"{fb.ABLATION_PREFIX}gdn-spec-rows-no-sync": {"c1": {"ms_per_step": 15.0,
+                                                                   "spec": {"tokens_per_step": 3.0}}}}
+    (row,) = sm.ablation_table(meas)
+    assert row["without"] == without and row["saved_ms"] == pytest.approx(1.0)
+    meas["scripted-patched-mtp4"]["from_run"] = "earlier"  # another machine's step is no baseline
+    assert sm.ablation_table(meas) == []
 
 
 # ---------------------------------------------------------------- acceptance maths

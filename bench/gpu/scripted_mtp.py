@@ -618,7 +618,8 @@ def build_servers(args: argparse.Namespace, out: Path, configs: Sequence[fb.Benc
                   first_port: int) -> list[run_full.Server]:
     servers = []
     for i, cfg in enumerate(configs):
-        paths = [str(args.patched_site), str(args.site)] if cfg.patched else [str(args.site)]
+        site = ablation_site(args, cfg.name) if cfg.name.startswith(fb.ABLATION_PREFIX) else args.patched_site
+        paths = [str(site), str(args.site)] if cfg.patched else [str(args.site)]
         probe = plan.Probe.detect(REPO)  # the plan's vLLM facts are vllm_028's, whichever vllm the server runs
         port = first_port + i
         cmd = fb.server_command(cfg, python=args.python, ckpt=served_checkpoint(args, cfg.name), port=port,
@@ -634,14 +635,15 @@ def server_gib(cfg: fb.BenchConfig) -> float:
 
 
 def waves(args: argparse.Namespace, out: Path, taken: Sequence[str] = ()) -> list[list[run_full.Server]]:
-    """The first wave's servers, then the variants', the sweep's in SWEEP_ORDER (each k's pair together: the
+    """The first wave's servers, the ablations (--ablate), then the variants', the sweep's in SWEEP_ORDER (each k's pair together: the
     single-user plan's, then stock's) and the high-agreement server, less those --from-run took from an earlier run
     (and the high-agreement one when args.high_agree is 0). Packed in that order: a wave takes whole groups (a k's
     pair is one) while the memory estimate stays within run_full.BOUND_GIB, so a budget that ends the run early
     leaves whole pairs. Ports are never reused."""
     pairs = [[fb.SCRIPTED_SWEEP[f"scripted-{which}-mtp{k}"] for which in ("patched", "stock")] for k in SWEEP_ORDER]
     high = list(fb.SCRIPTED_HIGH_AGREE.values()) if args.high_agree else []
-    groups = [*([c] for c in (*fb.SCRIPTED_CONFIGS.values(), *fb.SCRIPTED_VARIANTS.values())), *pairs,
+    ablations = [fb.scripted_ablation(patch) for patch in args.ablate]
+    groups = [*([c] for c in (*fb.SCRIPTED_CONFIGS.values(), *ablations, *fb.SCRIPTED_VARIANTS.values())), *pairs,
               *([c] for c in high)]
     out_waves: list[list[fb.BenchConfig]] = [[]]
     used = 0.0
@@ -731,7 +733,7 @@ def start_record(path: Path, args: argparse.Namespace, env: Mapping[str, str]) -
                        "draft_coverage_asked": args.coverage}, "k": K, "max_tokens": MAX_TOKENS,
         "acceptance_within": ACCEPTANCE_WITHIN, "budget_s": args.budget_s, "limits_s": LIMITS, "phases_s": {},
         **dict.fromkeys(PREDICTIONS.values()), "servers": {}, "measurements": {}, "checks": {}, "passed": False,
-        "skipped": [], "errors": {},
+        "skipped": [], "errors": {}, "ablations": {},
     })
     rec.save()
     return rec
@@ -985,6 +987,76 @@ def kept_file(report: Path, measured: Mapping, file_name: str) -> Path | None:
     return next((f / file_name for f in folders if (f / file_name).is_file()), None)
 
 
+def ablation_site(args: argparse.Namespace, name: str) -> Path:
+    """The folder holding the vllm copy an ablation server runs (its patch's stem under --ablate-root)."""
+    return args.ablate_root / name.removeprefix(fb.ABLATION_PREFIX)
+
+
+def make_ablation_site(site: Path, dst: Path, patches: Sequence[patchset.Patch], without: str) -> list[str]:
+    """dst/vllm: site's stock vllm with every patch of `patches` but `without` applied. The files the series
+    touches are copied, the rest hard-linked (the stock tree is never written: patchset writes beside and renames
+    anyway); made beside dst and renamed. Returns the patches applied."""
+    touched = set(patchset.series_files(patches))
+    pristine = site / "vllm"
+
+    def copy(src: str, target: str) -> None:
+        if Path(src).relative_to(pristine).as_posix() in touched:
+            shutil.copy2(src, target)
+            return
+        try:
+            os.link(src, target)
+        except OSError:  # another filesystem
+            shutil.copy2(src, target)
+
+    staging = dst.with_name(f".{dst.name}.making")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(pristine, staging / "vllm", symlinks=True, copy_function=copy)
+    kept = [p for p in patches if p.name != without]
+    patchset.apply(staging / "vllm", kept)
+    shutil.rmtree(dst, ignore_errors=True)
+    staging.rename(dst)
+    return [p.name for p in kept]
+
+
+def make_ablation_sites(args: argparse.Namespace, rec: Record) -> None:
+    """Each --ablate patch's vllm copy; one that cannot be made is recorded, and its server left out."""
+    patches = patchset.read_series(patchset.DEFAULT_SERIES)
+    tools = Path(os.environ.get("PAY", "/tmp/pay")) / "tools"  # the staged GNU patch, where the image has none
+    if shutil.which("patch") is None and (tools / "patch").is_file():
+        os.environ["PATH"] = os.pathsep.join([str(tools), os.environ.get("PATH", "")])
+    for patch in list(args.ablate):
+        name = fb.scripted_ablation(patch).name
+        t0 = time.monotonic()
+        try:
+            applied = make_ablation_site(args.site, ablation_site(args, name), patches, patch)
+        except (patchset.PatchError, OSError) as err:
+            rec.data["errors"][f"ablation {patch}"] = f"{type(err).__name__}: {err}"
+            rec.data["skipped"].append(f"{name}: not booted (its vllm copy could not be made)")
+            args.ablate.remove(patch)
+            continue
+        rec.data["ablations"][name] = {"without": patch, "site": str(ablation_site(args, name)),
+                                       "applied": applied, "made_s": round(time.monotonic() - t0, 1)}
+    rec.save()
+
+
+def ablation_table(meas: Mapping[str, dict]) -> list[dict]:
+    """Per ablation server measured at C1 beside the plan's own k=4 server in this run: both steps and what the
+    patch saves (positive: the step is shorter with it)."""
+    plan_c1 = (meas.get("scripted-patched-mtp4") or {}).get("c1") or {}
+    if "from_run" in meas.get("scripted-patched-mtp4", {}) or not plan_c1.get("ms_per_step"):
+        return []
+    rows = []
+    for name, m in meas.items():
+        c1 = m.get("c1") or {}
+        if name.startswith(fb.ABLATION_PREFIX) and c1.get("ms_per_step") and "from_run" not in m:
+            rows.append({"server": name, "without": name.removeprefix(fb.ABLATION_PREFIX) + ".patch",
+                         "ms_per_step_without": c1["ms_per_step"], "ms_per_step_with": plan_c1["ms_per_step"],
+                         "saved_ms": round(c1["ms_per_step"] - plan_c1["ms_per_step"], 3),
+                         "tokens_per_step_without": c1["spec"]["tokens_per_step"],
+                         "tokens_per_step_with": plan_c1["spec"]["tokens_per_step"]})
+    return rows
+
+
 class CheckpointError(RuntimeError):
     """The checkpoint or its prepared copy could not be made; the message says where to look."""
 
@@ -1111,6 +1183,10 @@ def run(args: argparse.Namespace) -> int:
         rec.data["errors"]["checkpoint"] = str(err)
         rec.phase("checkpoint", time.monotonic() - t0)
         return 1
+    if args.ablate:
+        t0 = time.monotonic()
+        make_ablation_sites(args, rec)
+        rec.phase("ablation copies", time.monotonic() - t0)
     from qwen_serving.checkpoint.scripted import Design
 
     design = Design.read(args.ckpt)
@@ -1198,6 +1274,7 @@ def run(args: argparse.Namespace) -> int:
                 s.stop()
                 smoke_lib.trim_to_tail(s.log_path, 8 << 20)
     rec.data["sweep"] = sweep_table(rec.data["measurements"])
+    rec.data["ablation_table"] = ablation_table(rec.data["measurements"])
     finish(rec, design, prompts.greedy)
     plot(rec.data, out / REPORT)
     rec.phase("total", time.monotonic() - t_start)
@@ -1211,8 +1288,8 @@ def sweep_table(meas: Mapping[str, dict]) -> list[dict]:
     """Per server with a C1 measure: stack, k, tokens per step, ms per step, decode tok/s (the server's counters)."""
     rows = []
     for name, m in meas.items():
-        if name in fb.SCRIPTED_VARIANTS or name in fb.SCRIPTED_HIGH_AGREE:
-            continue  # one k per stack in the sweep; a variant is set against its k in the report
+        if name in fb.SCRIPTED_VARIANTS or name in fb.SCRIPTED_HIGH_AGREE or name.startswith(fb.ABLATION_PREFIX):
+            continue  # one k per stack in the sweep; a variant or an ablation is set against its k in the report
         c1 = m.get("c1") or {}
         if not c1.get("server_tpot_ms"):
             continue
@@ -1337,7 +1414,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--from-run-servers", type=lambda v: v.split(","), default=list(FROM_RUN_SERVERS),
                    help="the servers --from-run takes, comma-separated (default %(default)s)")
     p.add_argument("--rejudge", action="store_true", help="judge OUT's finished run again from its files (CPU)")
+    p.add_argument("--ablate", type=lambda v: [x for x in v.split(",") if x], default=[], metavar="PATCH[,PATCH]",
+                   help="patches of patches/series to measure by their absence: per patch the plan at k=4 served from "
+                        "a vllm copy without it, beside the plan's own k=4 server (which must then boot here)")
+    p.add_argument("--ablate-root", type=Path, default=Path("/tmp/ablate"),
+                   help="where the ablation copies of vllm are made (default %(default)s)")
     args = p.parse_args(argv)
+    series = [patch.name for patch in patchset.read_series(patchset.DEFAULT_SERIES)]
+    unknown = [patch for patch in args.ablate if patch not in series]
+    if unknown:
+        p.error(f"--ablate {','.join(unknown)}: not in {patchset.DEFAULT_SERIES} ({', '.join(series)})")
+    if args.ablate and args.from_run and "scripted-patched-mtp4" in args.from_run_servers:
+        p.error("--ablate measures a patch beside the plan's own k=4 server: leave scripted-patched-mtp4 out of "
+                "--from-run-servers")
     child = (args.predict is not None or args.chisq_rows is not None or args.only is not None or args.rejudge
              or args.plot_only is not None)
     if (args.only or args.rejudge) and args.out is None:

@@ -14,7 +14,8 @@
 #    QS_SCRIPTED_LAYERS_COMPILED=1 also its compiled answer (~3 min);
 # 2c. (QS_GO_WAIT_S > 0) a wait for /tmp/qs-go, sourced: the budget of step 3 or QS_STOP=1;
 # 3. bench/gpu/scripted_mtp.py (the first wave and the sweep; with QS_FROM_RUN=REPORT the sweep alone, the first
-#    wave's measures and answers taken from an earlier run's REPORT in bench/results) within $QS_SCRIPTED_BUDGET_S seconds (default: what
+#    wave's measures and answers taken from an earlier run's REPORT in bench/results; with QS_ABLATE=PATCH[,PATCH]
+#    the plan at k=4 without each patch beside its own k=4 server) within $QS_SCRIPTED_BUDGET_S seconds (default: what
 #    is left of $QS_DEVICE_LEFT_S, 1,380 s = 30 device minutes less ~5 for staging and ~2 for packing, when this
 #    script started);
 # 4. the line `VISIT DONE`. tests/gpu/pack_scripted_visit.sh OUT packs whatever is there so far.
@@ -74,6 +75,7 @@ budget_s="${QS_SCRIPTED_BUDGET_S:-$(( ${QS_DEVICE_LEFT_S:-1380} - ($(date +%s) -
 run_args=(--budget-s "$budget_s")
 [ -n "${QS_FROM_RUN:-}" ] && run_args+=(--from-run "$QS_FROM_RUN")
 [ -n "${QS_FROM_RUN_SERVERS:-}" ] && run_args+=(--from-run-servers "$QS_FROM_RUN_SERVERS")
+[ -n "${QS_ABLATE:-}" ] && run_args+=(--ablate "$QS_ABLATE")
 log "scripted run budget: $budget_s s"
 python3 bench/gpu/scripted_mtp.py /tmp/scripted-out --site "$SITE" --patched-site "$PATCHED_SITE" "${run_args[@]}" \
   > /tmp/scripted.log 2>&1

@@ -145,11 +145,13 @@ def test_waves_are_packed_by_memory_in_order(tmp_path):
     # --high-agree 0: no server on the copy
     off = argparse.Namespace(**{**vars(args), "high_agree": 0.0})
     assert not [s for w in sm.waves(off, tmp_path) for s in w if s.cfg.name in fb.SCRIPTED_HIGH_AGREE]
-    # --ablate: the plan at k=4 without a patch boots in the wave of the plan's own k=4 server, from its own copy
-    ablated = argparse.Namespace(**{**vars(args), "ablate": ["gdn-spec-rows-no-sync.patch"]})
-    first = sm.waves(ablated, tmp_path, taken=sm.FROM_RUN_SERVERS)[0]
+    # --ablate: the plan at k=4 without a patch boots in the wave of the plan's own k=4 server, from its own copy, and
+    # the two lead the first wave even where the first wave's four servers would leave no room beside them
+    ablated = argparse.Namespace(**{**vars(args), "ablate": ["gdn-spec-rows-no-sync.patch", "gdn-metadata-reuse.patch"]})
     name = f"{fb.ABLATION_PREFIX}gdn-spec-rows-no-sync"
-    assert [s.cfg.name for s in first][:2] == ["scripted-patched-mtp4", name]
+    for taken in ((), sm.FROM_RUN_SERVERS):
+        first = sm.waves(ablated, tmp_path, taken=taken)[0]
+        assert [s.cfg.name for s in first][:3] == [sm.ABLATION_BASE, name, f"{fb.ABLATION_PREFIX}gdn-metadata-reuse"]
     server = first[1]
     assert server.pythonpath.split(os.pathsep) == ["/a/gdn-spec-rows-no-sync", "/s"]
     assert sm.draft_tokens(server.cmd) == sm.draft_tokens(first[0].cmd) == 4
@@ -161,6 +163,8 @@ def test_ablate_names_series_patches_and_keeps_the_plan_booting():
     assert sm.parse_args([*base, "--ablate", "gdn-spec-rows-no-sync.patch"]).ablate == ["gdn-spec-rows-no-sync.patch"]
     with pytest.raises(SystemExit):
         sm.parse_args([*base, "--ablate", "no-such.patch"])
+    with pytest.raises(SystemExit):  # more than one wave holds beside the plan's k=4 server
+        sm.parse_args([*base, "--ablate", ",".join(["gdn-spec-rows-no-sync.patch"] * 5)])
     with pytest.raises(SystemExit):  # the default --from-run-servers take the plan's k=4 server
         sm.parse_args([*base, "--ablate", "gdn-spec-rows-no-sync.patch", "--from-run", "r.json",
                        "--from-run-servers", "scripted-stock,scripted-patched-mtp4"])

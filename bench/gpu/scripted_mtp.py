@@ -635,16 +635,19 @@ def server_gib(cfg: fb.BenchConfig) -> float:
 
 
 def waves(args: argparse.Namespace, out: Path, taken: Sequence[str] = ()) -> list[list[run_full.Server]]:
-    """The first wave's servers, the ablations (--ablate), then the variants', the sweep's in SWEEP_ORDER (each k's pair together: the
+    """The first wave's servers (with --ablate, the plan's k=4 server and its ablations lead, one group, so that they
+    boot side by side), then the variants', the sweep's in SWEEP_ORDER (each k's pair together: the
     single-user plan's, then stock's) and the high-agreement server, less those --from-run took from an earlier run
     (and the high-agreement one when args.high_agree is 0). Packed in that order: a wave takes whole groups (a k's
     pair is one) while the memory estimate stays within run_full.BOUND_GIB, so a budget that ends the run early
     leaves whole pairs. Ports are never reused."""
     pairs = [[fb.SCRIPTED_SWEEP[f"scripted-{which}-mtp{k}"] for which in ("patched", "stock")] for k in SWEEP_ORDER]
     high = list(fb.SCRIPTED_HIGH_AGREE.values()) if args.high_agree else []
-    ablations = [fb.scripted_ablation(patch) for patch in args.ablate]
-    groups = [*([c] for c in (*fb.SCRIPTED_CONFIGS.values(), *ablations, *fb.SCRIPTED_VARIANTS.values())), *pairs,
-              *([c] for c in high)]
+    first = [[c] for c in fb.SCRIPTED_CONFIGS.values()]
+    if args.ablate:
+        plan = fb.SCRIPTED_CONFIGS[ABLATION_BASE]
+        first = [[plan, *(fb.scripted_ablation(patch) for patch in args.ablate)], *(g for g in first if g != [plan])]
+    groups = [*first, *([c] for c in fb.SCRIPTED_VARIANTS.values()), *pairs, *([c] for c in high)]
     out_waves: list[list[fb.BenchConfig]] = [[]]
     used = 0.0
     for group in ([c for c in g if c.name not in taken] for g in groups):
@@ -987,6 +990,9 @@ def kept_file(report: Path, measured: Mapping, file_name: str) -> Path | None:
     return next((f / file_name for f in folders if (f / file_name).is_file()), None)
 
 
+ABLATION_BASE = "scripted-patched-mtp4"  # the server an ablation is set against (fb.scripted_ablation is it less a patch)
+
+
 def ablation_site(args: argparse.Namespace, name: str) -> Path:
     """The folder holding the vllm copy an ablation server runs (its patch's stem under --ablate-root)."""
     return args.ablate_root / name.removeprefix(fb.ABLATION_PREFIX)
@@ -1042,8 +1048,8 @@ def make_ablation_sites(args: argparse.Namespace, rec: Record) -> None:
 def ablation_table(meas: Mapping[str, dict]) -> list[dict]:
     """Per ablation server measured at C1 beside the plan's own k=4 server in this run: both steps and what the
     patch saves (positive: the step is shorter with it)."""
-    plan_c1 = (meas.get("scripted-patched-mtp4") or {}).get("c1") or {}
-    if "from_run" in meas.get("scripted-patched-mtp4", {}) or not plan_c1.get("ms_per_step"):
+    plan_c1 = (meas.get(ABLATION_BASE) or {}).get("c1") or {}
+    if "from_run" in meas.get(ABLATION_BASE, {}) or not plan_c1.get("ms_per_step"):
         return []
     rows = []
     for name, m in meas.items():
@@ -1424,9 +1430,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [patch for patch in args.ablate if patch not in series]
     if unknown:
         p.error(f"--ablate {','.join(unknown)}: not in {patchset.DEFAULT_SERIES} ({', '.join(series)})")
-    if args.ablate and args.from_run and "scripted-patched-mtp4" in args.from_run_servers:
-        p.error("--ablate measures a patch beside the plan's own k=4 server: leave scripted-patched-mtp4 out of "
+    if args.ablate and args.from_run and ABLATION_BASE in args.from_run_servers:
+        p.error(f"--ablate measures a patch beside the plan's own k=4 server: leave {ABLATION_BASE} out of "
                 "--from-run-servers")
+    beside = server_gib(fb.SCRIPTED_CONFIGS[ABLATION_BASE]) + sum(
+        server_gib(fb.scripted_ablation(patch)) for patch in args.ablate)
+    if beside > run_full.BOUND_GIB:
+        p.error(f"--ablate: {len(args.ablate)} ablations and the plan's k=4 server need ~{beside:.0f} GiB, more than "
+                f"one wave's {run_full.BOUND_GIB}: ablate fewer patches per run")
     child = (args.predict is not None or args.chisq_rows is not None or args.only is not None or args.rejudge
              or args.plot_only is not None)
     if (args.only or args.rejudge) and args.out is None:

@@ -26,8 +26,9 @@ DRAFTER = Path("/tmp/drafter-for-test")
 
 
 def _args(**more) -> argparse.Namespace:
-    return argparse.Namespace(base_port=18100, site=Path("/s"), patched_site=Path("/p"), python="py",
-                              ckpt=Path("/ckpt/raw"), prepared_ckpt=Path("/ckpt/prepared"), drafter=DRAFTER, **more)
+    return argparse.Namespace(**{"base_port": 18100, "site": Path("/s"), "patched_site": Path("/p"), "python": "py",
+                                 "ckpt": Path("/ckpt/raw"), "prepared_ckpt": Path("/ckpt/prepared"), "drafter": DRAFTER,
+                                 "plans": [], **more})
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +104,14 @@ def test_waves_keep_within_the_bound_first_fit_in_priority_order(planned):
     seen = pv.memory_classes([(p, {"weights_gib": 14.6, "graph_capture_gib": 12.0}) for p in planned])
     assert len(pv.pack(planned, seen=seen)[0]) < len(waves[0])
     assert all(pv.memory_gib(p, seen)["graphs"] == 12.0 for p in planned)
+
+
+def test_plans_picks_a_share_of_the_configs_on_their_own_ports(planned):
+    share = pv.render(_args(plans=["dflash2-k15", "batch"]), Path("/out"))
+    ports = {p.vc.name: p.port for p in planned}
+    assert [(p.vc.name, p.port) for p in share] == [(n, ports[n]) for n in pv.NAMES if n in ("dflash2-k15", "batch")]
+    with pytest.raises(SystemExit):
+        pv.parse_args(["/o", "--dry-run", "--plans", "dflash2,no-such"])
 
 
 def test_dry_run_prints_every_wave_and_the_parts_plan(tmp_path):

@@ -203,11 +203,17 @@ class Planned:
         return bool(self.served and self.served.value("VISION"))
 
 
+NAMES = tuple(vc.name for vc in CONFIGS)
+
+
 def render(args: argparse.Namespace, out: Path) -> list[Planned]:
-    """Every config through the plan, each on its own port (base_port + its index: never reused)."""
+    """Every config (or those --plans names) through the plan, each on its own port (base_port + its index in
+    CONFIGS: never reused)."""
     probe = plan.Probe.detect(REPO)
     planned = []
     for i, vc in enumerate(CONFIGS):
+        if args.plans and vc.name not in args.plans:
+            continue
         p = Planned(vc, args.base_port + i)
         cfg = dataclasses.replace(vc.bench_config(), knobs=knobs_for(vc, args.drafter))
         try:
@@ -722,7 +728,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="the whole run (default %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="print the waves, commands and parts; start nothing")
+    p.add_argument("--plans", type=lambda v: [x for x in v.split(",") if x], default=[], metavar="NAME[,NAME]",
+                   help=f"only these configs, e.g. a visit's share of them (default all: {', '.join(NAMES)})")
     args = p.parse_args(argv)
+    unknown = [name for name in args.plans if name not in NAMES]
+    if unknown:
+        p.error(f"--plans {','.join(unknown)}: no such config ({', '.join(NAMES)})")
     if not args.dry_run and not (args.patched_site / "vllm" / "__init__.py").is_file():
         p.error(f"--patched-site {args.patched_site}: no vllm package there")
     return args

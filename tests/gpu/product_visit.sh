@@ -3,7 +3,8 @@
 # .whl/extra are staged (tests/gpu/README.md, "A product-plans visit"). Start detached:
 #   setsid nohup bash tests/gpu/product_visit.sh > /tmp/visit.log 2>&1 < /dev/null &
 # 1. the patch series on a copy of vllm in $PATCHED_SITE ($SITE stays stock; visit_prepare.sh);
-# 2. bench/gpu/product_visit.py (the checkpoint, its prepared copy and the drafter, then the waves) within
+# 2. bench/gpu/product_visit.py (the checkpoint, its prepared copy and the drafter, then the waves; only the configs
+#    QS_PRODUCT_PLANS names, comma-separated, when set) within
 #    $QS_PRODUCT_BUDGET_S seconds (default: what is left of $QS_DEVICE_LEFT_S, 1,380 s = 30 device minutes less ~5
 #    for staging and ~2 for packing, when this script started); nothing else uses the GPU meanwhile;
 # 3. the line `VISIT DONE`. tests/gpu/pack_product_visit.sh OUT packs whatever is there so far.
@@ -18,7 +19,9 @@ source tests/gpu/visit_prepare.sh  # log(), step 1 and the environment
 budget_s="${QS_PRODUCT_BUDGET_S:-$(( ${QS_DEVICE_LEFT_S:-1380} - ($(date +%s) - VISIT_T0) ))}"
 log "2. product plans (log /tmp/product.log), budget $budget_s s"
 mkdir -p /tmp/product-out
+plans=()
+[ -n "${QS_PRODUCT_PLANS:-}" ] && plans=(--plans "$QS_PRODUCT_PLANS")
 python3 bench/gpu/product_visit.py /tmp/product-out --site "$SITE" --patched-site "$PATCHED_SITE" \
-  --budget-s "$budget_s" > /tmp/product.log 2>&1
+  --budget-s "$budget_s" "${plans[@]}" > /tmp/product.log 2>&1
 log "product exit $?: $(tail -n 1 /tmp/product.log)"
 echo "VISIT DONE"

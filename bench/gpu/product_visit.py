@@ -706,7 +706,8 @@ def dry_run(args: argparse.Namespace) -> int:
     expensive = sum(estimate_s(p, part) for p in planned if p.cmd for part in parts_for(p)[1])
     print(f"## estimate: boots and cheap parts ~{total:.0f} s, expensive parts ~{expensive:.0f} s, budget "
           f"{args.budget_s:.0f} s (checkpoint, prepared copy and drafter first, ~170 s)")
-    print("## expensive parts, in order: " + ", ".join(f"{n}:{part}" for n, part in EXPENSIVE_ORDER))
+    booting = {p.vc.name for p in planned if p.cmd}
+    print("## expensive parts, in order: " + ", ".join(f"{n}:{part}" for n, part in EXPENSIVE_ORDER if n in booting))
     for what, why in NOT_TRIED.items():
         print(f"# not tried: {what}: {why}")
     return 0

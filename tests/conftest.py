@@ -13,14 +13,20 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from qwen_serving.engine import cpu_compat  # noqa: E402
-
-cpu_compat.install()
-cpu_compat.inspect_models_in_process()
-
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the device machine: tests/gpu/README.md)")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Before collection imports any test module. Not in an xdist controller: it imports no test and would pay
+    # vLLM's import (seconds of CPU) before the workers start.
+    if session.config.pluginmanager.has_plugin("dsession"):
+        return
+    from qwen_serving.engine import cpu_compat
+
+    cpu_compat.install()
+    cpu_compat.inspect_models_in_process()
 
 
 @pytest.fixture(scope="session")

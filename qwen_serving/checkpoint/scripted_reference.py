@@ -235,9 +235,10 @@ class Reference:
         outs = []
         for i in range(n):  # S <- decay S; S += k (beta (v - S^T k))^T; o = S^T q; (sequence, head) pairs as one batch
             ki, qi = k[:, i].reshape(-1, dk), q[:, i].reshape(-1, dk)
-            state = state * decay[:, i].reshape(-1)[:, None, None]
+            # in place: a fresh state per token was most of the reference's time at large batches (same values)
+            state.mul_(decay[:, i].reshape(-1)[:, None, None])
             delta = (v[:, i].reshape(-1, dv) - torch.bmm(ki[:, None, :], state)[:, 0]) * beta[:, i].reshape(-1)[:, None]
-            state = torch.baddbmm(state, ki[:, :, None], delta[:, None, :])
+            state.baddbmm_(ki[:, :, None], delta[:, None, :])
             outs.append(torch.bmm(qi[:, None, :], state)[:, 0].view(bs, hv, dv))
         core = torch.stack(outs, dim=1)
         core = _rms(core, self.eps) * self.w.dense(f"{p}.norm.weight") * F.silu(z)  # RMSNormGated: scale w

@@ -63,6 +63,8 @@ targets=(tests)
 for arg in "$@"; do
   case "$arg" in tests/*) [ -e "${arg%%::*}" ] && targets=() ;; esac
 done
-"$PY" -m pytest -m "not gpu" -p no:cacheprovider -n 2 "$@" "${targets[@]}" || rc=$?
+# --dist loadfile: a module's tests on one worker, so its module fixtures (vLLM children, checkpoints, servers)
+# are built once, not once per worker
+"$PY" -m pytest -m "not gpu" -p no:cacheprovider -n 2 --dist loadfile "$@" "${targets[@]}" || rc=$?
 [ "$rc" -eq 5 ] && fail "pytest collected no tests"
 exit "$rc"

@@ -730,3 +730,14 @@ def test_the_chisq_rows_child_gives_the_reference_rows_or_says_why_not(tiny, tmp
     other = "scripted-stock"
     sm.take_chisq_rows(rec, tmp_path, other, sm.chisq_rows_child(other, tmp_path, env, args), 300, 0.0)
     assert other not in rec.rows and f"{other}: chisq rows" in rec.data["errors"]
+
+
+def test_the_sweep_plot_names_the_runs_its_rows_came_from(monkeypatch, tmp_path):
+    titles = []
+    monkeypatch.setattr(sm.br, "plot_sweep", lambda rows, title, path: titles.append(title))
+    rows = [{"stack": "stock", "k": 0, "from_run": "scripted-h200-mtp-run3.json (2026-12-02T04:14:03+00:00)"},
+            {"stack": "stock", "k": 1}]
+    sm.plot({"gpu": {"name": "H200"}, "date": "2026-12-03T10:00:00", "sweep": rows}, tmp_path / sm.REPORT)
+    sm.plot({"gpu": {"name": "H200"}, "date": "2026-12-03T10:00:00", "sweep": rows[1:]}, tmp_path / sm.REPORT)
+    assert titles == ["MTP k sweep, scripted model, H200, 2026-12-03 (and run3)",
+                      "MTP k sweep, scripted model, H200, 2026-12-03"]

@@ -1309,6 +1309,9 @@ def sweep_table(meas: Mapping[str, dict]) -> list[dict]:
 def plot(data: dict, report: Path) -> None:
     """The sweep's PNG beside the report (none, with a warning, where matplotlib is missing: --plot-only later)."""
     title = f"MTP k sweep, scripted model, {(data.get('gpu') or {}).get('name', '?')}, {data['date'][:10]}"
+    earlier = sorted({r["from_run"].split(" (")[0] for r in data["sweep"] if r.get("from_run")})
+    if earlier:  # rows measured in other visits, perhaps on another machine
+        title += f" (and {', '.join(Path(name).stem.removeprefix('scripted-h200-mtp-') for name in earlier)})"
     br.plot_sweep(data["sweep"], title, report.with_suffix(".png"))
 
 

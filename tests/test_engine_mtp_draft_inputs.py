@@ -19,31 +19,25 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from qwen_serving.engine import mtp_draft_inputs
+from tests.helpers.spec_propose import (
+    BLOCK,
+    HIDDEN,
+    CountedDrafter,
+    CountOps,
+    CountPropose,
+    NoLaunch,
+    StubDrafter,
+    launches,
+    make_proposer,
+    pristine_proposer_module,
+    same,
+    stub_proposer,
+    verify_batch,
+)
 
-HIDDEN = 40  # not a power of two: the row copy's mask matters
-MAX_TOKENS = 48
-BLOCK = 4
 PASSES = 3  # k = 4: the passes after the first
-
-
-def make_proposer(mrope: bool, max_model_len: int, seed: int) -> SimpleNamespace:
-    """The attributes propose's loop and _update_positions_dependent_metadata read, with stale buffers."""
-    gen = torch.Generator().manual_seed(seed)
-    proposer = SimpleNamespace(
-        uses_mrope=mrope, uses_xdrope_dim=0, draft_uses_xdrope_dim=0, max_model_len=max_model_len,
-        block_size=BLOCK, use_heterogeneous_vocab=False, supports_mm_inputs=False, constant_draft_positions=False,
-        input_ids=torch.randint(0, 1000, (MAX_TOKENS,), generator=gen, dtype=torch.int32),
-        hidden_states=torch.randn(MAX_TOKENS, HIDDEN, generator=gen).to(torch.bfloat16),
-        _slot_mapping_buffer=torch.randint(0, 1000, (MAX_TOKENS,), generator=gen),
-    )
-    if mrope:
-        proposer.mrope_positions = torch.randint(0, 1000, (3, MAX_TOKENS + 1), generator=gen)
-    else:
-        proposer.positions = torch.randint(0, 1000, (MAX_TOKENS,), generator=gen)
-    return proposer
 
 
 @dataclasses.dataclass
@@ -127,13 +121,6 @@ def run(case: Case, step, seed: int = 0):
     return proposer, cad, returned
 
 
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a, b))
-    return type(a) is type(b) and a == b
-
-
 def differences(case: Case, fused_step) -> set[str]:
     ours, our_cad, our_positions = run(case, fused_step)
     want, want_cad, want_positions = run(case, vllm_pass)
@@ -193,29 +180,6 @@ def test_a_broken_fused_pass_is_caught(broken, caught, monkeypatch):
     assert caught <= differences(case, step)
 
 
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-def _launches(ops: list[str]) -> list[str]:
-    """The aten ops that launch work on a GPU (views and host-tensor arithmetic aside)."""
-    return [op for op in ops if not any(v in op for v in ("slice", "select", "view", "alias", "detach", "expand",
-                                                          "add_"))]
-
-
-class NoLaunch:
-    """A Triton kernel that launches nothing: the interpreter's own host copies would count as aten ops."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 def test_one_pass_dispatches_no_copy_ops(monkeypatch):
     """vLLM's pass: the cast and three copies besides its kernel; ours: none besides its kernel (views and the host
     shadows' in-place adds only)."""
@@ -232,7 +196,7 @@ def test_one_pass_dispatches_no_copy_ops(monkeypatch):
         tokens = torch.arange(4)
         with CountOps() as mode:
             step(proposer, tokens, positions, hidden, cad, 4, 4)
-        counts[name] = _launches(mode.ops)
+        counts[name] = launches(mode.ops)
     assert counts["vllm"] == ["aten._to_copy.default", "aten.copy_.default", "aten.copy_.default",
                               "aten.copy_.default"]
     assert counts["fused"] == []
@@ -263,123 +227,13 @@ def test_the_patched_loop_routes_through_the_hook():
     assert "mtp_draft_inputs" not in before
     assert "fused_inputs = fused_supported(self)" in text
     assert text.count("not fused_inputs") == 2
+    assert SHARED_GATHER + "            # one tensor out of the forward (MTP): its sampled rows are gathered\n" \
+        "            hidden_states = sample_hidden_states\n" in text
     # vLLM's own lines stay for the proposers that keep its path
     assert "self._update_positions_dependent_metadata(" in text and "self.input_ids[:batch_size] = input_ids" in text
 
 
 # --- the whole patched propose() against vLLM 0.28.0's own, on a stub drafter -----------------------------------
-
-VOCAB = 300
-CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 48)  # the drafter's CUDA-graph sizes: a batch of 3 runs padded to 4
-
-
-def pristine_proposer_module():
-    """vLLM 0.28.0's llm_base_proposer.py as it ships, loaded beside the patched one."""
-    import importlib.util
-
-    path = Path(os.environ["QS_PRISTINE_VLLM"]) / "v1" / "spec_decode" / "llm_base_proposer.py"
-    spec = importlib.util.spec_from_file_location("pristine_llm_base_proposer", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-class StubDrafter:
-    """The MTP drafter's interface to propose(): records what each forward reads, returns hidden states that
-    depend on every input (ids, all position rows, hidden states), greedy logits from a fixed head."""
-
-    def __init__(self):
-        gen = torch.Generator().manual_seed(7)
-        self.head = torch.randn(HIDDEN, VOCAB, generator=gen)
-        self.calls: list[dict] = []
-
-    def __call__(self, input_ids, positions, inputs_embeds, hidden_states):
-        self.calls.append({"input_ids": input_ids.clone(), "positions": positions.clone(),
-                           "hidden_states": hidden_states.clone()})
-        rows = positions.float() if positions.dim() == 1 else positions.float().sum(0)
-        out = hidden_states.float().roll(1, dims=1) + 0.01 * input_ids.float()[:, None] + 0.001 * rows[:, None]
-        return out.to(hidden_states.dtype)
-
-    def compute_logits(self, hidden_states):
-        return hidden_states.float() @ self.head
-
-
-class RecordingBuilder:
-    """The drafter's attention-metadata builder: what each build_for_drafting saw."""
-
-    def __init__(self):
-        self.builds: list[dict] = []
-
-    def build_for_drafting(self, common_attn_metadata, draft_index):
-        cad = common_attn_metadata
-        self.builds.append({"draft_index": draft_index, "seq_lens": cad.seq_lens.clone(),
-                            "slot_mapping": cad.slot_mapping.clone(), "max_seq_len": cad.max_seq_len,
-                            "num_actual_tokens": cad.num_actual_tokens, "max_query_len": cad.max_query_len,
-                            "query_start_loc": cad.query_start_loc.clone(),
-                            "upper": None if cad.seq_lens_cpu_upper_bound is None
-                            else cad.seq_lens_cpu_upper_bound.clone()})
-        return SimpleNamespace(draft_index=draft_index)
-
-
-def stub_proposer(mrope: bool, k: int, max_model_len: int):
-    import numpy as np
-    from vllm.config import CUDAGraphMode
-    from vllm.v1.spec_decode.eagle import EagleProposer
-
-    proposer = object.__new__(EagleProposer)
-    base = make_proposer(mrope, max_model_len, seed=3)
-    builder = RecordingBuilder()
-
-    def dispatch(num_tokens, valid_modes=None):
-        return CUDAGraphMode.NONE, SimpleNamespace(num_tokens=min(s for s in CAPTURE_SIZES if s >= num_tokens))
-
-    vars(proposer).update(vars(base))
-    vars(proposer).update(
-        vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1),
-                                    model_config=SimpleNamespace(uses_mrope=mrope)),
-        method="mtp", num_speculative_tokens=k, parallel_drafting=False, needs_extra_input_slots=False,
-        pass_hidden_states_to_model=True, _share_mtp_indices=False, eplb_state=None, allowed_attn_types=None,
-        _enable_probabilistic_draft_probs=False, use_local_argmax_reduction=False, vocab_mapping=None,
-        _draft_attn_layer_names={"mtp.attn"}, model=StubDrafter(),
-        draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=["Qwen3_5MTP"])),
-        cudagraph_dispatcher=SimpleNamespace(dispatch=dispatch),
-        draft_attn_groups=[SimpleNamespace(get_metadata_builder=lambda: builder, layer_names=["mtp.attn"])],
-        arange=torch.arange(MAX_TOKENS + 1, dtype=torch.int32),
-        token_arange_np=np.arange(MAX_TOKENS + 1, dtype=np.int32),
-        inputs_embeds=torch.zeros(MAX_TOKENS, HIDDEN, dtype=torch.bfloat16))
-    if not mrope:
-        proposer.mrope_positions = None
-    return proposer, builder
-
-
-def verify_batch(accepted: list[int], k: int, start: int, max_model_len: int, seed: int):
-    """propose()'s arguments after a verify step of k drafts per row: padded drafter batch, rows accepting
-    ``accepted[r]`` tokens (1..k+1), as prepare_inputs_padded hands them over."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    gen = torch.Generator().manual_seed(seed)
-    bs, q = len(accepted), k + 1
-    seq_lens = torch.tensor([start + 9 * r for r in range(bs)], dtype=torch.int32)  # after the verify tokens
-    positions_1d = torch.cat([torch.arange(s - q, s) for s in seq_lens.tolist()])
-    width = max_model_len // BLOCK
-    cad = CommonAttentionMetadata(
-        query_start_loc=torch.arange(0, bs * q + 1, q, dtype=torch.int32),
-        query_start_loc_cpu=torch.arange(0, bs * q + 1, q, dtype=torch.int32),
-        seq_lens=seq_lens, num_reqs=bs, num_actual_tokens=bs * q, max_query_len=q,
-        max_seq_len=int(seq_lens.max()),
-        block_table_tensor=(torch.randperm(bs * width, generator=gen).to(torch.int32) + 1).view(bs, width),
-        slot_mapping=torch.randint(0, 5000, (bs * q,), generator=gen),
-        seq_lens_cpu_upper_bound=seq_lens.clone())
-    return dict(
-        target_token_ids=torch.randint(0, VOCAB, (bs * q,), generator=gen, dtype=torch.int32),
-        target_positions=positions_1d.expand(3, -1).clone(),
-        target_hidden_states=torch.randn(bs * q, HIDDEN, generator=gen).to(torch.bfloat16),
-        next_token_ids=torch.randint(0, VOCAB, (bs,), generator=gen, dtype=torch.int32),
-        token_indices_to_sample=torch.tensor([r * q + a - 1 for r, a in enumerate(accepted)], dtype=torch.int32),
-        common_attn_metadata=cad,
-        sampling_metadata=SimpleNamespace(all_greedy=True),
-        num_rejected_tokens_gpu=torch.tensor([q - a for a in accepted], dtype=torch.int32))
-
 
 PROPOSE_CASES = {
     # name: (accepted per row, k, first seq_len, mrope, max_model_len)
@@ -392,9 +246,21 @@ PROPOSE_CASES = {
 }
 
 
-def run_propose(propose, case, monkeypatch, module):
+class TupleDrafter(StubDrafter):
+    """A drafter whose forward returns (hidden states for the logits, hidden states to feed back), as DeepSeek's
+    MTP does: the first pass gathers the sampled rows of both."""
+
+    def __call__(self, *args, **kwargs):
+        out = super().__call__(*args, **kwargs)
+        return out, (out.float() * 0.5 + 0.25).to(out.dtype)
+
+
+def run_propose(propose, case, monkeypatch, module, tuple_outputs=False):
     accepted, k, start, mrope, max_model_len = case
     proposer, builder = stub_proposer(mrope, k, max_model_len)
+    if tuple_outputs:
+        proposer.model = TupleDrafter()
+        proposer.draft_model_config = SimpleNamespace(hf_config=SimpleNamespace(architectures=["DeepSeekMTPModel"]))
     args = verify_batch(accepted, k, start, max_model_len, seed=11)
     if not mrope:
         args["target_positions"] = args["target_positions"][0].clone()
@@ -405,14 +271,17 @@ def run_propose(propose, case, monkeypatch, module):
     return drafts, proposer.model.calls, builder.builds, buffers, args["common_attn_metadata"]
 
 
+@pytest.mark.parametrize("tuple_outputs", [False, True], ids=["MTP", "a drafter returning two hidden states"])
 @pytest.mark.parametrize("case", PROPOSE_CASES)
-def test_the_patched_propose_equals_vllms(case, monkeypatch):
+def test_the_patched_propose_equals_vllms(case, tuple_outputs, monkeypatch):
     """Draft ids, every forward's inputs, every pass's attention metadata and the buffers afterwards: the same."""
     from vllm.v1.spec_decode import llm_base_proposer as patched
 
     pristine = pristine_proposer_module()
-    want = run_propose(pristine.SpecDecodeBaseProposer.propose, PROPOSE_CASES[case], monkeypatch, pristine)
-    got = run_propose(patched.SpecDecodeBaseProposer.propose, PROPOSE_CASES[case], monkeypatch, patched)
+    want = run_propose(pristine.SpecDecodeBaseProposer.propose, PROPOSE_CASES[case], monkeypatch, pristine,
+                       tuple_outputs)
+    got = run_propose(patched.SpecDecodeBaseProposer.propose, PROPOSE_CASES[case], monkeypatch, patched,
+                      tuple_outputs)
     (want_drafts, want_calls, want_builds, want_buffers, want_cad) = want
     (drafts, calls, builds, buffers, cad) = got
     k = PROPOSE_CASES[case][1]
@@ -443,40 +312,37 @@ def test_the_propose_comparison_sees_a_broken_pass(monkeypatch):
     assert not same(calls[2]["hidden_states"], want_calls[2]["hidden_states"])
 
 
-class CountPropose(TorchDispatchMode):
-    """propose()'s own GPU-launching aten ops: the stub drafter's are not vLLM's, the views launch nothing."""
-
-    def __init__(self, drafter: StubDrafter):
-        super().__init__()
-        self.drafter, self.ops = drafter, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.drafter.busy:
-            self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+SHARED_GATHER = "        if hidden_states is last_hidden_states:\n"
 
 
-class CountedDrafter(StubDrafter):
-    busy = False
+def patched_module_with(old: str, new: str):
+    """The patched llm_base_proposer.py with one line changed, loaded beside the patched one."""
+    import types
 
-    def __call__(self, *args, **kwargs):
-        self.busy = True
-        try:
-            return super().__call__(*args, **kwargs)
-        finally:
-            self.busy = False
-
-    def compute_logits(self, hidden_states):
-        self.busy = True
-        try:
-            return super().compute_logits(hidden_states)
-        finally:
-            self.busy = False
+    path = Path(os.environ["QS_PATCHED_VLLM"]) / "v1" / "spec_decode" / "llm_base_proposer.py"
+    source = path.read_text()
+    assert source.count(old) == 1
+    module = types.ModuleType("mutated_llm_base_proposer")
+    exec(compile(source.replace(old, new), str(path), "exec"), module.__dict__)
+    return module
 
 
-def test_a_k4_step_dispatches_12_fewer_ops(monkeypatch):
+def test_the_first_pass_gathers_once_only_when_it_is_the_same_tensor(monkeypatch):
+    """A propose() reusing the sampled rows whatever the forward returned is caught on a drafter returning two
+    hidden states: the first chained forward reads the logits' rows instead of the ones to feed back."""
+    case = PROPOSE_CASES["k=4, batch 3 (padded to 4), rows accepting fewer"]
+    pristine = pristine_proposer_module()
+    want_calls = run_propose(pristine.SpecDecodeBaseProposer.propose, case, monkeypatch, pristine, True)[1]
+    broken = patched_module_with(SHARED_GATHER, "        if True:\n")
+    calls = run_propose(broken.SpecDecodeBaseProposer.propose, case, monkeypatch, broken, True)[1]
+    assert same(calls[0]["hidden_states"], want_calls[0]["hidden_states"])
+    assert not same(calls[1]["hidden_states"], want_calls[1]["hidden_states"])
+
+
+def test_a_k4_step_dispatches_13_fewer_ops(monkeypatch):
     """k=4, batch 1: vLLM's propose dispatches 4 ops a chained pass that the fused pass does not (the cast and
-    three copies), 12 a step; the kernels are no aten ops (their launches are stubbed here)."""
+    three copies), 12 a step, and the first pass gathers MTP's sampled rows twice (one gather more); the kernels are
+    no aten ops (their launches are stubbed here)."""
     from vllm.v1.spec_decode import llm_base_proposer as patched
     from vllm.v1.spec_decode import utils
 
@@ -496,10 +362,10 @@ def test_a_k4_step_dispatches_12_fewer_ops(monkeypatch):
         with CountPropose(proposer.model) as mode:
             module.SpecDecodeBaseProposer.propose(proposer, num_speculative_tokens=k, mm_embed_inputs=None,
                                                   slot_mappings=None, **args)
-        counts[name] = _launches(mode.ops)
+        counts[name] = launches(mode.ops)
     removed = collections.Counter(counts["vllm"]) - collections.Counter(counts["fused"])
-    assert removed == {"aten._to_copy.default": 3, "aten.copy_.default": 9}
+    assert removed == {"aten._to_copy.default": 3, "aten.copy_.default": 9, "aten.index.Tensor": 1}
     assert not collections.Counter(counts["fused"]) - collections.Counter(counts["vllm"])
     # what stays of propose's own: the first pass's three copies and index_put, the slot copy and padding fill,
-    # three gathers, the seq_lens update, the four greedy argmaxes, the stack, two host-tensor ops
-    assert len(counts["vllm"]) == 29 and len(counts["fused"]) == 17
+    # two gathers, the seq_lens update, the four greedy argmaxes, the stack, two host-tensor ops
+    assert len(counts["vllm"]) == 29 and len(counts["fused"]) == 16

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qwen_serving.engine.mtp_draft_vocab import DraftVocab, read_draft_ids
+from qwen_serving.engine.mtp_draft_vocab import DraftVocab, StepDraftProbs, read_draft_ids
 
 HIDDEN, VOCAB, K = 256, 1000, 100
 IDS = sorted(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:K].tolist())
@@ -121,6 +121,17 @@ def test_sampled_drafts_are_drawn_over_the_draft_rows(vllm_world, tmp_path):
     kept = q[1] > 0  # q is the tempered softmax over the kept draft rows
     torch.testing.assert_close(q[1, kept], torch.softmax(draft[1][torch.isin(torch.tensor(IDS), kept.nonzero().flatten())], 0),
                                rtol=1e-4, atol=1e-6)
+
+    # propose()'s step buffer: the drafter writes the same q into the draft's row of it (the same noise)
+    step_probs = StepDraftProbs(3)
+    for _ in range(2):
+        step_probs.next_row(4, VOCAB, hidden.device)
+    torch.manual_seed(0)
+    tokens, q = SpecDecodeBaseProposer._sample_draft_tokens(proposer, hidden, metadata)
+    torch.manual_seed(0)
+    step_tokens, row = SpecDecodeBaseProposer._sample_draft_tokens(proposer, hidden, metadata, step_probs)
+    assert step_probs.written == 3 and row.data_ptr() == step_probs.buffer[:, 2].data_ptr()
+    assert torch.equal(step_tokens, tokens) and torch.equal(step_probs.buffer[:, 2], q)
 
 
 def test_switched_off(vllm_world, tmp_path, monkeypatch):

@@ -71,3 +71,17 @@ def test_the_race_draws_from_q():
     counts = torch.bincount(want_tokens, minlength=VOCAB).float() / rows
     assert (counts - q).abs().max() < 6 * (0.25 / rows) ** 0.5
     assert set(counts.nonzero().flatten().tolist()) <= set(q.nonzero().flatten().tolist())
+
+
+def test_q_written_into_a_row_of_a_step_buffer():
+    """out=: q lands in that [rows, vocab] row of a [rows, k, vocab] buffer (row stride k * vocab), exactly as in a
+    fresh row; the buffer's other rows stay zero."""
+    gen, logits, ids, temperature = _case(3, 300, seed=3)
+    top_k, top_p = torch.tensor([5, 80, 20]), torch.tensor([0.9, 1.0, 0.6])
+    noise = torch.empty(3, MAX_CANDIDATES).exponential_(generator=gen)
+    tokens, probs = sample_draft(logits, ids, VOCAB, temperature, top_k, top_p, noise)
+    buffer = torch.zeros(3, 4, VOCAB)
+    row_tokens, row = sample_draft(logits, ids, VOCAB, temperature, top_k, top_p, noise, out=buffer[:, 2])
+    assert row.data_ptr() == buffer[:, 2].data_ptr() and torch.equal(row_tokens, tokens)
+    assert torch.equal(buffer[:, 2], probs)
+    assert not buffer[:, [0, 1, 3]].any()

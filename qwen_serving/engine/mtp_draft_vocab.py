@@ -6,8 +6,9 @@ and names it in config.json: ``"draft_vocab": {"size": K, "ids_file": "draft_voc
 drafter then computes K logits per draft instead of the full vocabulary and maps draft index ``i``
 back to token ``ids[i]``: probabilistic drafts are drawn over the K rows themselves (``DraftVocab.sample``,
 kernels/draft_sample.py: the draft probabilities land in a zeroed full-vocabulary row for the rejection
-sampler), other callers of compute_logits see -inf outside the list, and greedy (local-argmax) drafts take the
-argmax over the K rows. A token outside the list is never proposed.
+sampler, in propose's draft loop row i of one [rows, k, vocab] buffer a step, ``StepDraftProbs``), other callers
+of compute_logits see -inf outside the list, and greedy (local-argmax) drafts take the argmax over the K rows. A
+token outside the list is never proposed.
 
 The head lives on the inner MTP predictor (``Qwen3_5MultiTokenPredictor.draft_lm_head``), not on
 ``Qwen3_5MTP.lm_head``, which the V1 proposer replaces with the target's full head.
@@ -79,10 +80,11 @@ class DraftVocab(nn.Module):
         logits = self.logits_processor(head, hidden_states)
         return None if logits is None else self.scatter(logits)
 
-    def sample(self, head: nn.Module, hidden_states: torch.Tensor, sampling_metadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def sample(self, head: nn.Module, hidden_states: torch.Tensor, sampling_metadata,
+               step_probs: StepDraftProbs | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Probabilistic drafts drawn over the K draft rows (kernels/draft_sample.py): (token ids, q over the full
-        vocabulary for the rejection sampler); None, for vLLM's full-vocabulary path, where the batch's sampling
-        parameters are not one per draft row."""
+        vocabulary for the rejection sampler, the step's next row of ``step_probs`` when given); None, for vLLM's
+        full-vocabulary path, where the batch's sampling parameters are not one per draft row."""
         temperature, top_k, top_p = sampling_metadata.temperature, sampling_metadata.top_k, sampling_metadata.top_p
         rows = hidden_states.shape[0]
         if temperature is None or any(x is not None and tuple(x.shape) != (rows,) for x in (temperature, top_k, top_p)):
@@ -90,11 +92,38 @@ class DraftVocab(nn.Module):
         logits = self.logits_processor(head, hidden_states)
         if logits is None:
             return None
-        return sample_draft(logits, self.target_ids, self.vocab_size, temperature, top_k, top_p)
+        out = None if step_probs is None else step_probs.next_row(rows, self.vocab_size, logits.device)
+        return sample_draft(logits, self.target_ids, self.vocab_size, temperature, top_k, top_p, out=out)
 
     def top_tokens(self, head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         """Greedy drafts through the vocab-parallel local argmax, as token ids of the full vocabulary."""
         return self.target_ids[self.logits_processor.get_top_tokens(head, hidden_states)]
+
+
+class StepDraftProbs:
+    """One ``propose`` step's draft probabilities: a zeroed [rows, k, vocab] float32 buffer that the first draft
+    sampled by the draft head allocates, draft i writing its q into row i in place. vLLM's loop zeroes one
+    [rows, vocab] row a draft and stacks the k rows after the loop: k memsets and a copy of the whole buffer
+    (4 MB at k=4, batch 1) where one memset does."""
+
+    def __init__(self, num_drafts: int):
+        self.num_drafts = num_drafts
+        self.buffer: torch.Tensor | None = None
+        self.written = 0  # drafts whose q is in the buffer
+
+    def next_row(self, rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.zeros(rows, self.num_drafts, vocab_size, dtype=torch.float32, device=device)
+        row = self.buffer[:, self.written]
+        self.written += 1
+        return row
+
+    def stacked(self, draft_probs: list[torch.Tensor]) -> torch.Tensor:
+        """What vLLM's ``torch.stack(draft_probs, dim=1).contiguous()`` returns: the buffer itself when every draft
+        of the step wrote its row there (each entry is then that row), else vLLM's stack."""
+        if self.written == len(draft_probs) == self.num_drafts:
+            return self.buffer
+        return torch.stack(draft_probs, dim=1).contiguous()
 
 
 def attach_draft_head(predictor: nn.Module, vllm_config, prefix: str) -> None:

@@ -12,8 +12,9 @@ full-vocabulary row at the candidates' token ids, and the draft is the exponenti
 keeps speculative decoding exact; this one only spares candidates the target's own top-k would never accept.
 Greedy rows (temperature below vLLM's epsilon) take the largest logit, as vLLM's drafter does.
 
-Operations per draft: torch.topk over the K columns, a memset of the probability row, the noise, one kernel (a
-request without top-k or top-p adds none: the kernel skips that cut).
+Operations per draft: torch.topk over the K columns, a memset of the probability row (none when the caller hands
+over a row it zeroed, mtp_draft_vocab.StepDraftProbs), the noise, one kernel (a request without top-k or top-p
+adds none: the kernel skips that cut).
 """
 
 from __future__ import annotations
@@ -79,15 +80,17 @@ def sample_draft(
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
     noise: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(draft token ids of the full vocabulary [rows] int64, q [rows, vocab_size] float32) from draft-vocabulary
-    logits [rows, K] (ids: the token id of each column). noise: [rows, C] Exp(1) draws (drawn here if None)."""
+    logits [rows, K] (ids: the token id of each column). noise: [rows, C] Exp(1) draws (drawn here if None).
+    out: a zeroed [rows, vocab_size] float32 with unit column stride to write q into (a fresh one if None)."""
     rows, width = logits.shape
     c = min(MAX_CANDIDATES, width)  # known on the host: no device read
     vals, cand = torch.topk(logits, c, dim=1)
     if noise is None:
         noise = torch.empty(rows, c, dtype=torch.float32, device=logits.device).exponential_()
-    probs = torch.zeros(rows, vocab_size, dtype=torch.float32, device=logits.device)
+    probs = torch.zeros(rows, vocab_size, dtype=torch.float32, device=logits.device) if out is None else out
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     temperature = temperature.float()  # no copy when it is float32 already, as vLLM's is
     _draft_sample_kernel[(rows,)](  # an absent top-k / top-p passes a pointer the kernel never reads

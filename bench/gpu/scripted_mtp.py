@@ -1429,18 +1429,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ablate-root", type=Path, default=Path("/tmp/ablate"),
                    help="where the ablation copies of vllm are made (default %(default)s)")
     args = p.parse_args(argv)
-    series = [patch.name for patch in patchset.read_series(patchset.DEFAULT_SERIES)]
-    unknown = [patch for patch in args.ablate if patch not in series]
-    if unknown:
-        p.error(f"--ablate {','.join(unknown)}: not in {patchset.DEFAULT_SERIES} ({', '.join(series)})")
-    if args.ablate and args.from_run and ABLATION_BASE in args.from_run_servers:
-        p.error(f"--ablate measures a patch beside the plan's own k=4 server: leave {ABLATION_BASE} out of "
-                "--from-run-servers")
-    beside = server_gib(fb.SCRIPTED_CONFIGS[ABLATION_BASE]) + sum(
-        server_gib(fb.scripted_ablation(patch)) for patch in args.ablate)
-    if beside > run_full.BOUND_GIB:
-        p.error(f"--ablate: {len(args.ablate)} ablations and the plan's k=4 server need ~{beside:.0f} GiB, more than "
-                f"one wave's {run_full.BOUND_GIB}: ablate fewer patches per run")
+    if args.ablate:  # the series is read only when asked for (every child process parses these arguments)
+        check_ablations(p, args)
     child = (args.predict is not None or args.chisq_rows is not None or args.only is not None or args.rejudge
              or args.plot_only is not None)
     if (args.only or args.rejudge) and args.out is None:
@@ -1451,6 +1441,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if not args.patched_site or not (args.patched_site / "vllm" / "__init__.py").is_file():
             p.error("--patched-site must name a folder holding the patched vllm package")
     return args
+
+
+def check_ablations(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    series = [patch.name for patch in patchset.read_series(patchset.DEFAULT_SERIES)]
+    unknown = [patch for patch in args.ablate if patch not in series]
+    if unknown:
+        p.error(f"--ablate {','.join(unknown)}: not in {patchset.DEFAULT_SERIES} ({', '.join(series)})")
+    if args.from_run and ABLATION_BASE in args.from_run_servers:
+        p.error(f"--ablate measures a patch beside the plan's own k=4 server: leave {ABLATION_BASE} out of "
+                "--from-run-servers")
+    beside = server_gib(fb.SCRIPTED_CONFIGS[ABLATION_BASE]) + sum(
+        server_gib(fb.scripted_ablation(patch)) for patch in args.ablate)
+    if beside > run_full.BOUND_GIB:
+        p.error(f"--ablate: {len(args.ablate)} ablations and the plan's k=4 server need ~{beside:.0f} GiB, more than "
+                f"one wave's {run_full.BOUND_GIB}: ablate fewer patches per run")
 
 
 def make_only(args: argparse.Namespace) -> int:

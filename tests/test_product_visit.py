@@ -285,3 +285,30 @@ def test_the_run_wires_boot_measure_stop_and_the_report(tmp_path, monkeypatch):
     assert checks["dflash2: greedy token-identical to scripted-patched-plain"]["passed"]
     assert checks["KV_MEM pinning: the same pool on two boots"]["passed"]
     assert (tmp_path / "out" / "dflash2-greedy.json").is_file()
+
+
+def test_the_launcher_plans_serve_with_a_key_and_their_parts_send_it(planned, monkeypatch):
+    keyed = {p.vc.name for p in planned if p.vc.api_key}
+    assert keyed == {"single", "batch"}  # the soak's wrong- and missing-key kinds need a key set
+    for p in planned:
+        assert p.cmd.env.get(kn.SECRET_ENV) == (pv.VISIT_API_KEY if p.vc.name in keyed else None), p.vc.name
+    argvs, clients = {}, []
+    monkeypatch.setattr(pv, "tool", lambda ctx, name, part, argv, report, timeout: argvs.setdefault((name, part), argv))
+    monkeypatch.setattr(sm, "measure_greedy", lambda client, model, prompts: clients.append(client.key))
+    ctx = pv.Context(_args(), Path("/out"), {})
+    for p in planned:
+        if p.vc.name in ("single", "dflash2-vision"):
+            for part in ("greedy", "api", "soak"):
+                pv.run_part(ctx, p, "http://127.0.0.1:1", part, 300)
+    assert clients == [pv.VISIT_API_KEY, None]
+    for name, key in (("single", pv.VISIT_API_KEY), ("dflash2-vision", None)):
+        for part in ("api", "soak"):
+            argv = argvs[(name, part)]
+            assert (argv[argv.index("--api-key") + 1] if "--api-key" in argv else None) == key, (name, part)
+        soak = argvs[(name, "soak")]
+        assert soak[soak.index("--server-log") + 1] == str(pv.server_log(Path("/out"), name))
+
+
+def test_a_graph_figure_read_low_beside_other_boots_never_lowers_the_estimate(planned):
+    seen = pv.memory_classes([(p, {"graph_capture_gib": -0.08}) for p in planned])
+    assert all(pv.memory_gib(p, seen)["graphs"] == pytest.approx(pv.GRAPHS_GIB, abs=0.01) for p in planned)

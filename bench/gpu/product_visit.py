@@ -79,6 +79,7 @@ MAX_REQUEST_TOK_S = 2500  # prefill rate the estimate of a max-length request as
 CHEAP = ("greedy", "api")  # the pool check reads the boot log: no request
 QUOTE_CTX = 25_000
 SOAK_BUDGET_S = 180
+VISIT_API_KEY = "product-visit-key"  # loopback only; a fixed key, so a report's commands can be rerun as they are
 SEGMENT = 64  # the max-length request's quote and answer (retrieval_depth's default segment)
 DEFAULT_BUDGET_S = 1200  # ~20 minutes of a 30-minute visit after staging
 
@@ -94,6 +95,7 @@ class VisitConfig:
     what: str
     cheap: tuple[str, ...] = ("greedy",)
     raw_logits: bool = False  # --logprobs-mode raw_logits: the near-tie rule; api_smoke's logprob checks need it off
+    api_key: bool = False  # served with VISIT_API_KEY: the soak's wrong- and missing-key kinds run against it
 
     def bench_config(self) -> fb.BenchConfig:
         extra = fb.RAW_LOGITS if self.raw_logits else ()
@@ -119,9 +121,9 @@ CONFIGS: tuple[VisitConfig, ...] = (
     VisitConfig("mtp-huge", "single", {"SPEC": "mtp", "CTX": "huge"}, ("#20",),
                 "SPEC=mtp CTX=huge: int4 per-token-head KV on Triton, 262,144 tokens, 3 drafts, PIECEWISE graphs"),
     VisitConfig("single", "single", {}, ("#21",), "the single-user launcher's plan as shipped (MTP k=4, CTX=fast, tools)",
-                cheap=CHEAP),
+                cheap=CHEAP, api_key=True),
     VisitConfig("batch", "batch", {}, ("#21",), "the batch launcher's plan as shipped (W4A8 MLP, fp8 KV, 64 seats)",
-                cheap=CHEAP),
+                cheap=CHEAP, api_key=True),
     VisitConfig("dflash2-vision", "single", _dflash2(VISION="1"), ("#23",),
                 "SPEC=dflash2 VISION=1 (the tower streamed from host RAM)", cheap=CHEAP),
     VisitConfig("mtp-vision", "single", {"VISION": "1"}, ("#23",), "SPEC=mtp VISION=1 (the tower streamed from host RAM)",
@@ -206,6 +208,10 @@ class Planned:
 NAMES = tuple(vc.name for vc in CONFIGS)
 
 
+def server_log(out: Path, name: str) -> Path:
+    return out / f"{name}.server.log"
+
+
 def render(args: argparse.Namespace, out: Path) -> list[Planned]:
     """Every config (or those --plans names) through the plan, each on its own port (base_port + its index in
     CONFIGS: never reused)."""
@@ -220,6 +226,8 @@ def render(args: argparse.Namespace, out: Path) -> list[Planned]:
             p.served = fb.serve_plan(cfg, ckpt=args.prepared_ckpt, port=p.port, traces=out / f"traces-{vc.name}",
                                      probe=probe, will_create={str(args.drafter)})
             p.cmd = fb.command_of(cfg, p.served, python=args.python)
+            if vc.api_key:  # vLLM reads it from the environment, as the launchers pass it
+                p.cmd = dataclasses.replace(p.cmd, env={**p.cmd.env, kn.SECRET_ENV: VISIT_API_KEY})
         except plan.PlanError as err:
             p.refusal = str(err)
         planned.append(p)
@@ -234,9 +242,10 @@ def memory_gib(p: Planned, seen: Mapping[str, Mapping] | None = None) -> dict[st
     if p.vision:
         offload = p.served.value("VISION_OFFLOAD_GIB") if p.served.value("VISION_OFFLOAD") else None
         weights += memory.vision_card_bytes(offload) / GiB
-    graphs = GRAPHS_GIB
     weights = seen.get(weights_class(p), {}).get("weights_gib", weights)
-    graphs = seen.get(graphs_class(p), {}).get("graph_capture_gib", graphs)
+    # vLLM's graph figure is the device's free memory before and after its capture, so servers booting beside it
+    # move it either way (visit 13: 13.78 GiB for one DFlash2 server, -0.08 for an MTP one): never below the estimate
+    graphs = max(GRAPHS_GIB, seen.get(graphs_class(p), {}).get("graph_capture_gib", GRAPHS_GIB))
     pool = (p.served.kv_mem or 0) / GiB
     return {"weights": round(weights, 2), "graphs": round(graphs, 2), "pool": round(pool, 2),
             "overhead": OVERHEAD_GIB, "total": round(weights + graphs + pool + OVERHEAD_GIB, 2)}
@@ -389,12 +398,15 @@ def summarize_tool(part: str, data: dict | None) -> dict | None:
 
 def run_part(ctx: Context, p: Planned, url: str, part: str, timeout: float) -> dict:
     name, ckpt, out = p.vc.name, str(ctx.args.prepared_ckpt), ctx.out
+    key = VISIT_API_KEY if p.vc.api_key else None
+    keyed = ["--api-key", key] if key else []
     if part == "greedy":
-        client = serving.Client(url)
+        client = serving.Client(url, key)
         return sm.measure_greedy(client, fb.SERVED_NAME, [q["ids"] for q in ctx.prompts])
     if part == "api":
         report = out / f"{name}-api.json"
-        return tool(ctx, name, part, ["bench/api_smoke.py", "--url", url, "--json", str(report)], report, timeout)
+        return tool(ctx, name, part, ["bench/api_smoke.py", "--url", url, "--json", str(report), *keyed], report,
+                    timeout)
     if part == "quote25k":
         return tool(ctx, name, part, ["bench/labd_bench.py", f"{name}-quote25k", "--url", url, "--scripted", ckpt,
                                       "--ctx", str(QUOTE_CTX), "--tasks", "copy", "--out", str(out), "--force"],
@@ -408,8 +420,8 @@ def run_part(ctx: Context, p: Planned, url: str, part: str, timeout: float) -> d
     if part == "soak":
         report = out / f"{name}-soak.json"
         return tool(ctx, name, part, ["bench/gpu/soak_visit.py", "--url", url, "--out", str(report), "--mode",
-                                      p.vc.mode, "--budget-s", str(int(min(SOAK_BUDGET_S, timeout - 10)))],
-                    report, timeout)
+                                      p.vc.mode, "--budget-s", str(int(min(SOAK_BUDGET_S, timeout - 10))),
+                                      "--server-log", str(server_log(out, name)), *keyed], report, timeout)
     if part == "max_request":  # prompt and answer fill max_model_len; the quote deep in the prompt
         prompt = max_len(p) - SEGMENT
         return tool(ctx, name, part, ["bench/retrieval_depth.py", f"{name}-max", "--url", url, "--scripted", ckpt,
@@ -636,7 +648,7 @@ def run(args: argparse.Namespace) -> int:
             (out / f"traces-{p.vc.name}").mkdir(exist_ok=True)
             s = servers[p.vc.name] = run_full.Server(p.vc.bench_config(), p.cmd, p.port,
                                                      os.pathsep.join([str(args.patched_site), str(args.site)]),
-                                                     out / f"{p.vc.name}.server.log")
+                                                     server_log(out, p.vc.name))
             rec.data["servers"][p.vc.name] = {"cmd": f"PYTHONPATH={s.pythonpath} {p.cmd.shell()}", "port": p.port,
                                               "what": p.vc.what, "issues": list(p.vc.issues),
                                               "memory_estimate_gib": memory_gib(p)}

@@ -15,14 +15,18 @@ The prompt (the spec gives no exact construction; this one puts the whole length
 - text (default): the server's chat template around "reproduce the document between the markers", a filler line
   and the first --doc-chars characters (cut at a word boundary) of --document or bench/texts/en.txt, sent as the ids the
   server's /tokenize gives, so L is exact; judged as text.
-base is a multiple of 128 (default: the smallest that fits the prompt), so r = L mod 128. Each length's pair
-has its own cache_salt, new for every run: the cold request hits nothing an earlier request left, and its twin
-hits what the cold one left (the report counts the hit tokens of each from /metrics).
+base is a multiple of 128 (default: the smallest that fits the prompt and is longer than one KV cache block of the
+server, vllm:cache_config_info's block_size: a prompt hits the prefix cache in whole blocks, never its last token,
+so a shorter one could not), so r = L mod 128. Each length's pair has its own cache_salt, new for every run: the
+cold request hits nothing an earlier request left, and its twin hits what the cold one left (the report counts the
+hit tokens of each from /metrics). A sweep whose twins did not all hit the cache fails: it has not tried the path
+the spec saw corrupted.
 
 Report: OUT/TAG-residue.json (rewritten every 8 residues and at the end): per residue both judgements, hit tokens, tokens
 per step; `summary.passed` of 128 (both requests verbatim), the failed residues with their shapes, the suspect
 residue (117 + k, k from --drafts or the server's speculative config) and how many cached twins hit the cache.
-Exit 0 when every residue passed, 1 when one failed, 2 on bad input, 3 when the server cannot be used.
+Exit 0 when every residue passed and every twin hit the cache, 1 otherwise, 2 on bad input, 3 when the server cannot
+be used.
 """
 
 from __future__ import annotations
@@ -85,6 +89,18 @@ def drafts_of(server: dict) -> int | None:
     return int(k) if k else None
 
 
+def block_size_of(server: dict) -> int | None:
+    """The server's KV cache block size (vllm:cache_config_info, in the report's server facts), if it gave one."""
+    size = str((server.get("cache_config") or {}).get("block_size", ""))
+    return int(size) if size.isdigit() else None
+
+
+def default_base(minimum: int, block_size: int | None) -> int:
+    """The smallest multiple of 128 that holds the prompt and, for a hit, one whole block before the last token."""
+    shortest = max(minimum, (block_size or 0) + 1)
+    return -(-shortest // MODULUS) * MODULUS
+
+
 def summarize(rows: list[dict], wanted: list[int], suspect: int | None) -> dict:
     failed = [{"residue": row["residue"], "length": row["length"], "pass": name, "verdict": row[name]["verdict"],
                "coverage": row[name]["coverage"], "first_divergence": row[name]["first_divergence"],
@@ -138,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return opened
     path, client, report, (layout, expected, max_tokens) = opened
     model = report["server"]["model"]["id"]
-    base = args.base if args.base is not None else -(-layout.minimum // MODULUS) * MODULUS
+    base = args.base if args.base is not None else default_base(layout.minimum, block_size_of(report["server"]))
     if base < layout.minimum:
         print(f"residue_sweep: --base {base} is shorter than the prompt's {layout.minimum} tokens", file=sys.stderr)
         return 2
@@ -175,14 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     serving.write_json_atomic(path, report)
     for failure in summary["failed"]:
         print("FAILED " + failure_line(failure))
-    if summary["cached_twins_hit_cache"] < summary["done"]:
-        print(f"warning: only {summary['cached_twins_hit_cache']} of {summary['done']} cached twins hit the prefix "
-              "cache (is the server running with prefix caching?)")
+    all_hit = summary["cached_twins_hit_cache"] == summary["done"]
+    if not all_hit:
+        print(f"FAILED: only {summary['cached_twins_hit_cache']} of {summary['done']} cached twins hit the prefix "
+              "cache, so the cached path was not tried (is prefix caching on? is --base longer than a block?)")
     if suspect is not None:
         print(f"suspect residue {suspect} (117 + {drafts}): {'passed' if summary['suspect_passed'] else 'FAILED'}"
               if summary["suspect_passed"] is not None else f"suspect residue {suspect} (117 + {drafts}): not swept")
     print(f"residue sweep: {summary['passed']}/{summary['residues']} residues passed; wrote {path}")
-    return 0 if summary["passed"] == summary["residues"] and not report.get("errors") else 1
+    return 0 if summary["passed"] == summary["residues"] and all_hit and not report.get("errors") else 1
 
 
 if __name__ == "__main__":

@@ -55,6 +55,20 @@ def test_a_clean_server_passes_and_a_cold_request_is_never_answered_from_an_earl
     assert again["settings"]["run_id"] != report["settings"]["run_id"]
 
 
+def test_the_base_clears_one_cache_block_and_twins_that_miss_the_cache_fail_the_sweep(design, tmp_path, capsys):
+    # visit 13: a 448-token block, base 384, and not one of 128 twins hit the cache
+    with FakeVllm("--design", design, "--block-size", 448) as server:
+        rc, report = sweep(server, tmp_path, "--scripted", str(design), "--doc-tokens", "24", "--residues", "0-3")
+        assert report["settings"]["base"] == 512  # 449 tokens hold one whole block before the last token
+        assert rc == 0 and report["summary"]["cached_twins_hit_cache"] == 4
+        assert all(row["cached"]["cache_hit_tokens"] == 448 for row in report["rows"])
+        rc, short = sweep(server, tmp_path, "--scripted", str(design), "--doc-tokens", "24", "--residues", "0-3",
+                          "--base", "384", "--force")
+    assert short["summary"]["passed"] == 4 and short["summary"]["cached_twins_hit_cache"] == 0 and rc == 1
+    assert "only 0 of 4 cached twins hit the prefix cache" in capsys.readouterr().out
+    assert rs.default_base(300, None) == 384 and rs.default_base(100, 127) == 128 and rs.default_base(100, 128) == 256
+
+
 @pytest.mark.parametrize("shape,verdict", [("empty", "empty"), ("truncated", "truncated"), ("unrelated", "unrelated")])
 def test_text_prompts_catch_each_shape_of_the_damage(tmp_path, shape, verdict):
     with FakeVllm("--corrupt-visit", 2, "--corrupt-residue", 5, "--corrupt-shape", shape) as server:

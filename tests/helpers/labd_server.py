@@ -92,8 +92,9 @@ class LabdServer:
     def __init__(self, design_dir: Path | None = None, tokens_per_step: float = 1.0, chunk_sleep_s: float = 0.0,
                  corrupt_visit: int | None = None, corrupt_residue: int | None = None, corrupt_shape: str = "middle",
                  port: int = 0, max_model_len: int = MAX_MODEL_LEN, lose_from: int | None = None,
-                 fail_longer_than: int | None = None):
+                 fail_longer_than: int | None = None, block_size: int = BLOCK):
         self.successor = None
+        self.block_size = block_size
         if design_dir is not None:
             design = json.loads((design_dir / "scripted.json").read_text())
             self.successor = dict(zip(design["active"], design["chain"], strict=True))
@@ -153,10 +154,11 @@ class LabdServer:
             # prefix caching: the leading whole blocks an earlier prompt of the same salt left (never the last token);
             # a block's hash chains its predecessor's, as vLLM's does, so it names the whole prefix in linear time
             blocks, chained = [], hash(salt)
-            for end in range(BLOCK, len(prompt), BLOCK):
-                chained = hash((chained, tuple(prompt[end - BLOCK:end])))
+            size = self.block_size
+            for end in range(size, len(prompt), size):
+                chained = hash((chained, tuple(prompt[end - size:end])))
                 blocks.append(chained)
-            hit = BLOCK * next((i for i, b in enumerate(blocks) if b not in self.blocks), len(blocks))
+            hit = size * next((i for i, b in enumerate(blocks) if b not in self.blocks), len(blocks))
             self.blocks.update(blocks)
             if visit == self.corrupt_visit and self.corrupt_residue in (None, len(prompt) % 128):
                 ids = self.damage(ids)
@@ -178,7 +180,8 @@ class LabdServer:
         with self.lock:
             lines = [f'vllm:{name}_total{{engine="0",model_name="fake"}} {value}'
                      for name, value in self.counters.items()]
-        lines.append('vllm:cache_config_info{block_size="16",enable_prefix_caching="True",engine="0"} 1.0')
+        lines.append(f'vllm:cache_config_info{{block_size="{self.block_size}",enable_prefix_caching="True",'
+                     'engine="0"} 1.0')
         return "\n".join(lines) + "\n"
 
     def text_of(self, ids: list[int]) -> str:
@@ -265,9 +268,10 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
     p.add_argument("--lose-from", type=int)
     p.add_argument("--fail-longer-than", type=int)
+    p.add_argument("--block-size", type=int, default=BLOCK)
     a = p.parse_args()
     LabdServer(a.design, a.tokens_per_step, a.chunk_sleep, a.corrupt_visit, a.corrupt_residue, a.corrupt_shape,
-               a.port, a.max_model_len, a.lose_from, a.fail_longer_than).httpd.serve_forever()
+               a.port, a.max_model_len, a.lose_from, a.fail_longer_than, a.block_size).httpd.serve_forever()
 
 
 if __name__ == "__main__":

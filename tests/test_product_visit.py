@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -250,6 +251,7 @@ def test_the_run_wires_boot_measure_stop_and_the_report(tmp_path, monkeypatch):
             self.cfg, self.port, self.pythonpath, self.url = cfg, port, pythonpath, "u"
             self.name = cfg.name.removeprefix("product-")
             self.log_path, self.state = log_path, "new"
+            self.proc = argparse.Namespace(pid=os.getpid())  # this test's own process tree stands for the server's
             log_path.write_text(f"GPU KV cache size: {pv.pool_prediction(rendered[self.name]):,} tokens\n")
 
         def start(self):
@@ -275,6 +277,8 @@ def test_the_run_wires_boot_measure_stop_and_the_report(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pv.run_full, "Server", FakeServer)
     monkeypatch.setattr(pv, "run_part", part)
+    held = iter([{os.getpid(): 15_000}, {os.getpid(): 23_000}] + [{}] * 2 * len(rendered))  # first wave: boot, end
+    monkeypatch.setattr(pv.run_full, "gpu_mib_by_pid", lambda: next(held))
     args = _args(out=tmp_path / "out", budget_s=100_000.0, dry_run=False)
     assert pv.run(args) == 0
     data = json.loads((tmp_path / "out" / pv.REPORT).read_text())
@@ -285,6 +289,12 @@ def test_the_run_wires_boot_measure_stop_and_the_report(tmp_path, monkeypatch):
     assert checks["dflash2: greedy token-identical to scripted-patched-plain"]["passed"]
     assert checks["KV_MEM pinning: the same pool on two boots"]["passed"]
     assert (tmp_path / "out" / "dflash2-greedy.json").is_file()
+    fits = {n: c for n, c in checks.items() if n.endswith("GPU memory fits a 24 GB card")}
+    first = data["waves"][0]["servers"]
+    assert set(fits) == {f"{n}: GPU memory fits a 24 GB card" for n in first}  # later waves: nvidia-smi listed none
+    assert all(c["passed"] and c["boot"] == 15_000 and c["held_mib"] == 23_000 for c in fits.values())
+    assert pv.judge({"servers": {"x": {"state": "up", "gpu_process_mib": {"end": 24_200}}}, "measurements": {}},
+                    {}, None, [])["x: GPU memory fits a 24 GB card"]["passed"] is False
 
 
 def test_the_launcher_plans_serve_with_a_key_and_their_parts_send_it(planned, monkeypatch):
@@ -312,3 +322,13 @@ def test_the_launcher_plans_serve_with_a_key_and_their_parts_send_it(planned, mo
 def test_a_graph_figure_read_low_beside_other_boots_never_lowers_the_estimate(planned):
     seen = pv.memory_classes([(p, {"graph_capture_gib": -0.08}) for p in planned])
     assert all(pv.memory_gib(p, seen)["graphs"] == pytest.approx(pv.GRAPHS_GIB, abs=0.01) for p in planned)
+
+
+def test_gpu_memory_is_read_per_process_and_summed_over_a_servers_tree():
+    listing = "2059, 1200\n2838, 21000\n999, 40000\nnot a row\n"
+    ran = lambda argv, **kw: argparse.Namespace(stdout=listing)  # noqa: E731
+    held = pv.run_full.gpu_mib_by_pid(ran)
+    assert held == {2059: 1200, 2838: 21000, 999: 40000}
+    assert pv.run_full.server_gpu_mib([2059, 2838, 2839], held) == 22_200
+    assert pv.run_full.server_gpu_mib([7, 8], held) is None
+    assert pv.run_full.gpu_mib_by_pid(lambda argv, **kw: (_ for _ in ()).throw(OSError("no nvidia-smi"))) == {}

@@ -16,6 +16,9 @@ Order (what a budget cut leaves out last to first):
    request each long-context plan takes, the 1,000-request soaks, labd_soak, the residue sweeps, retrieval at depth.
 Before the next wave boots, a wave's cheap parts keep that wave's boot in reserve, its expensive parts the boot and
 the cheap parts of the waves still to come. What does not fit is listed under `skipped` with why.
+Each server's GPU memory (its own processes, nvidia-smi's compute apps) is read once its wave is up and again
+after its parts, before it stops; the second must fit the 23.60 GiB a headless 24 GB card leaves (CARD_FREE).
+The launchers' plans are served with an API key (VISIT_API_KEY), which their parts send.
 
     python bench/gpu/product_visit.py OUT --site SITE --patched-site PATCHED [--budget-s S]
     python bench/gpu/product_visit.py OUT --dry-run   # every wave's commands and the parts plan, nothing started
@@ -48,13 +51,13 @@ import scripted_mtp as sm  # noqa: E402
 import smoke_lib  # noqa: E402
 
 from bench import fullbench as fb  # noqa: E402
-from bench import serving  # noqa: E402
+from bench import serving, soak  # noqa: E402
 from qwen_serving import knobs as kn  # noqa: E402
 from qwen_serving import memory, plan  # noqa: E402
 
 REPORT = "product-visit.json"
 SCHEMA = "qwen-serving product-visit/1"
-GiB = memory.GiB
+GiB, MiB = memory.GiB, 1 << 20
 # the card the pools are pinned for: a headless 24 GB card's free VRAM (docs/long-context.md's table)
 CARD_FREE = int(23.60 * GiB)
 DRAFTER_AGREE = 0.7  # scripted_dflash2's default --agree
@@ -546,6 +549,11 @@ def judge(data: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], design,
     expected = [sm.expected_chain(design, q["ids"]) for q in prompts] if design is not None else None
     for name, server in data["servers"].items():
         checks[f"{name}: boots"] = {"passed": server["state"] == "up", "state": server["state"]}
+        held = (server.get("gpu_process_mib") or {}).get("end")
+        if held is not None:  # the whole server as a 24 GB card would hold it: weights, pool, graphs, activations
+            checks[f"{name}: GPU memory fits a 24 GB card"] = {
+                "passed": held <= CARD_FREE / MiB, "held_mib": held, "card_free_mib": round(CARD_FREE / MiB),
+                **server["gpu_process_mib"]}
         m = meas.get(name, {})
         pool = m.get("pool") or {}
         if "passed" in pool:
@@ -656,7 +664,17 @@ def run(args: argparse.Namespace) -> int:
             s.start()
         rec.save()
         run_full.wait_until_up([servers[p.vc.name] for p in wave], max(1.0, limit))
+        record_gpu_memory([p.vc.name for p in wave], "boot")
         return {p.vc.name: (servers[p.vc.name].state, serving.boot_facts(servers[p.vc.name].log_text())) for p in wave}
+
+    def record_gpu_memory(names: Sequence[str], when: str) -> None:
+        held = run_full.gpu_mib_by_pid()
+        for name in names:
+            s = servers[name]
+            tree = soak.process_tree_rss(s.proc.pid) if s.proc is not None and s.state == "up" else None
+            if tree:
+                mib = run_full.server_gpu_mib(tree["pids"], held)
+                rec.data["servers"][name].setdefault("gpu_process_mib", {})[when] = mib
 
     def measure(p: Planned, part: str, timeout: float) -> dict:
         log(f"{p.vc.name}: {part} (up to {timeout:.0f} s)")
@@ -671,6 +689,7 @@ def run(args: argparse.Namespace) -> int:
         rec.data["checks"] = judge(rec.data, traces, design, prompts)
 
     def stop(wave: Sequence[Planned]) -> None:
+        record_gpu_memory([p.vc.name for p in wave if p.vc.name in servers], "end")  # after every part it ran
         stopping = [(p.vc.name, servers[p.vc.name]) for p in wave if p.vc.name in servers]
         with ThreadPoolExecutor(max_workers=max(1, len(stopping))) as pool:  # together: each may take its grace
             list(pool.map(lambda item: item[1].stop(), stopping))

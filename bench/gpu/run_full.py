@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -166,6 +166,30 @@ def gpu_state() -> str:
                               capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "nvidia-smi not available"
+
+
+def gpu_mib_by_pid(query=subprocess.run) -> dict[int, int]:
+    """GPU memory each process holds (nvidia-smi's compute apps), MiB by PID; empty where nvidia-smi lists none.
+    Unlike vLLM's own graph figure (the device's free memory before and after) a process's figure is its own,
+    whatever boots beside it."""
+    try:
+        out = query(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                    capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    held: dict[int, int] = {}
+    for line in out.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and mib.strip().isdigit():
+            held[int(pid)] = held.get(int(pid), 0) + int(mib)
+    return held
+
+
+def server_gpu_mib(pids: Collection[int], held: Mapping[int, int]) -> int | None:
+    """What a server's processes (API server, engine core) hold on the GPU; None when none of them is listed
+    (nvidia-smi in a container may list host PIDs)."""
+    mine = [held[pid] for pid in pids if pid in held]
+    return sum(mine) if mine else None
 
 
 def measure(server: Server, args: argparse.Namespace, out: Path, gbps: float | None) -> dict:

@@ -23,59 +23,19 @@ import pytest
 import torch
 
 from qwen_serving.engine import mtp_draft_inputs, mtp_draft_vocab
-from qwen_serving.engine.kernels import draft_sample
-from qwen_serving.engine.mtp_draft_vocab import DraftVocab, StepDraftProbs
+from qwen_serving.engine.mtp_draft_vocab import StepDraftProbs
 from tests.helpers.spec_propose import (
-    HIDDEN,
     VOCAB,
-    CountedDrafter,
     CountPropose,
+    DraftHeadDrafter,
     NoLaunch,
     launches,
     pristine_proposer_module,
     same,
+    sampling,
     stub_proposer,
     verify_batch,
 )
-
-DRAFT_IDS = sorted(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5))[:120].tolist())
-
-
-class DraftHeadDrafter(CountedDrafter):
-    """The stand-in drafter with a draft head, its ``sample_draft`` routed as Qwen3_5MTP's is (None without a head:
-    vLLM's drafter sampling over ``compute_logits``). The head's GEMM counts as the drafter's, like its forward."""
-
-    def __init__(self, with_head: bool = True):
-        super().__init__()
-        from vllm.config import VllmConfig, set_current_vllm_config
-
-        with set_current_vllm_config(VllmConfig()):  # LogitsProcessor is a CustomOp
-            self.draft_vocab = DraftVocab(DRAFT_IDS, VOCAB) if with_head else None
-        weight = 0.15 * torch.randn(len(DRAFT_IDS), HIDDEN, generator=torch.Generator().manual_seed(8))
-        self.draft_head = SimpleNamespace(tp_size=1, quant_method=SimpleNamespace(apply=self.head_gemm), weight=weight)
-
-    def head_gemm(self, layer, hidden_states, bias=None):
-        self.busy = True
-        try:
-            return hidden_states.float() @ layer.weight.t()
-        finally:
-            self.busy = False
-
-    def sample_draft(self, hidden_states, sampling_metadata, step_probs=None):
-        if self.draft_vocab is None:
-            return None
-        return self.draft_vocab.sample(self.draft_head, hidden_states, sampling_metadata, step_probs)
-
-
-def sampling(temperature: list[float], top_k: list[int] | None, top_p: list[float] | None):
-    """The per-request sampling metadata the drafter reads (vLLM: top_k / top_p None when no request uses them)."""
-    t = torch.tensor(temperature, dtype=torch.float32)
-    return SimpleNamespace(
-        all_greedy=bool((t < draft_sample.SAMPLING_EPS).all()), all_random=bool((t >= draft_sample.SAMPLING_EPS).all()),
-        temperature=t, top_k=None if top_k is None else torch.tensor(top_k),
-        top_p=None if top_p is None else torch.tensor(top_p, dtype=torch.float32),
-        top_k_max=None if top_k is None else max(top_k))
-
 
 CASES = {
     # name: (accepted per row, k, temperature, top-k, top-p)

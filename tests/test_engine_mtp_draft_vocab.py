@@ -105,7 +105,7 @@ def test_sampled_drafts_are_drawn_over_the_draft_rows(vllm_world, tmp_path):
     load(target, vllm_config, [("lm_head.weight", weight)])
     share_lm_head(vllm_config, target, drafter)
     hidden = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(3)) * 0.05
-    metadata = SimpleNamespace(all_greedy=False, temperature=torch.tensor([0.6, 1.0, 0.0, 0.8]),
+    metadata = SimpleNamespace(all_greedy=False, generators={}, temperature=torch.tensor([0.6, 1.0, 0.0, 0.8]),
                                top_k=torch.tensor([20, 5, 20, 1000]), top_p=torch.tensor([0.95, 1.0, 0.95, 0.5]))
     proposer = SimpleNamespace(model=drafter, _enable_probabilistic_draft_probs=True)
     tokens, q = SpecDecodeBaseProposer._sample_draft_tokens(proposer, hidden, metadata)

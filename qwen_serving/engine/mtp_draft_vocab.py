@@ -5,10 +5,10 @@ and names it in config.json: ``"draft_vocab": {"size": K, "ids_file": "draft_voc
 "head": "mtp.draft_lm_head"}``, the ids file holding ``{"ids": [sorted ids], ...}``. vLLM's MTP
 drafter then computes K logits per draft instead of the full vocabulary and maps draft index ``i``
 back to token ``ids[i]``: probabilistic drafts are drawn over the K rows themselves (``DraftVocab.sample``,
-kernels/draft_sample.py: the draft probabilities land in a zeroed full-vocabulary row for the rejection
-sampler, in propose's draft loop row i of one [rows, k, vocab] buffer a step, ``StepDraftProbs``), other callers
-of compute_logits see -inf outside the list, and greedy (local-argmax) drafts take the argmax over the K rows. A
-token outside the list is never proposed.
+kernels/draft_sample.py, a seeded request's noise from its own generator: the draft probabilities land in a zeroed
+full-vocabulary row for the rejection sampler, in propose's draft loop row i of one [rows, k, vocab] buffer a step,
+``StepDraftProbs``), other callers of compute_logits see -inf outside the list, and greedy (local-argmax) drafts
+take the argmax over the K rows. A token outside the list is never proposed.
 
 The head lives on the inner MTP predictor (``Qwen3_5MultiTokenPredictor.draft_lm_head``), not on
 ``Qwen3_5MTP.lm_head``, which the V1 proposer replaces with the target's full head.
@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .kernels.draft_sample import sample_draft
+from .kernels.draft_sample import candidates, sample_draft
+from .mtp_seeded_drafts import exponential_
 
 ENV = "VLLM_MTP_DRAFT_VOCAB"
 HEAD_NAME = "draft_lm_head"  # under the MTP module: checkpoint tensors mtp.draft_lm_head.*
@@ -92,8 +93,11 @@ class DraftVocab(nn.Module):
         logits = self.logits_processor(head, hidden_states)
         if logits is None:
             return None
+        # a seeded request's noise from its own generator: its drafts are the same every run
+        noise = exponential_(logits.new_empty(rows, candidates(logits.shape[1]), dtype=torch.float32),
+                             sampling_metadata.generators)
         out = None if step_probs is None else step_probs.next_row(rows, self.vocab_size, logits.device)
-        return sample_draft(logits, self.target_ids, self.vocab_size, temperature, top_k, top_p, out=out)
+        return sample_draft(logits, self.target_ids, self.vocab_size, temperature, top_k, top_p, noise, out=out)
 
     def top_tokens(self, head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         """Greedy drafts through the vocab-parallel local argmax, as token ids of the full vocabulary."""

@@ -1,8 +1,9 @@
 """A stand-in for vLLM 0.28.0's V1 drafter around ``SpecDecodeBaseProposer.propose``, to run the patched propose()
 against the file vLLM ships, on CPU: a proposer with the buffers and attributes propose reads (stale entries beyond
 the batch included), a drafter that records every forward's inputs, a metadata builder that records every build,
-the arguments of a padded verify step, and aten-op counting (tests/test_engine_mtp_draft_inputs.py,
-tests/test_engine_mtp_draft_probs.py).
+the arguments of a padded verify step, aten-op counting, and a drafter with a draft head and the sampling metadata
+it reads (tests/test_engine_mtp_draft_inputs.py, tests/test_engine_mtp_draft_probs.py,
+tests/test_engine_mtp_seeded_drafts.py).
 """
 
 from __future__ import annotations
@@ -206,3 +207,49 @@ class CountedDrafter(StubDrafter):
             return super().compute_logits(hidden_states)
         finally:
             self.busy = False
+
+
+DRAFT_IDS = sorted(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5))[:120].tolist())
+
+
+class DraftHeadDrafter(CountedDrafter):
+    """The stand-in drafter with a draft head (a real ``DraftVocab``, 120 of the 300 ids), its ``sample_draft``
+    routed as Qwen3_5MTP's is (None without a head: vLLM's drafter sampling over ``compute_logits``). The head's GEMM
+    counts as the drafter's, like its forward."""
+
+    def __init__(self, with_head: bool = True):
+        super().__init__()
+        from vllm.config import VllmConfig, set_current_vllm_config
+
+        from qwen_serving.engine.mtp_draft_vocab import DraftVocab
+
+        with set_current_vllm_config(VllmConfig()):  # LogitsProcessor is a CustomOp
+            self.draft_vocab = DraftVocab(DRAFT_IDS, VOCAB) if with_head else None
+        weight = 0.15 * torch.randn(len(DRAFT_IDS), HIDDEN, generator=torch.Generator().manual_seed(8))
+        self.draft_head = SimpleNamespace(tp_size=1, quant_method=SimpleNamespace(apply=self.head_gemm), weight=weight)
+
+    def head_gemm(self, layer, hidden_states, bias=None):
+        self.busy = True
+        try:
+            return hidden_states.float() @ layer.weight.t()
+        finally:
+            self.busy = False
+
+    def sample_draft(self, hidden_states, sampling_metadata, step_probs=None):
+        if self.draft_vocab is None:
+            return None
+        return self.draft_vocab.sample(self.draft_head, hidden_states, sampling_metadata, step_probs)
+
+
+def sampling(temperature: list[float], top_k: list[int] | None, top_p: list[float] | None,
+             generators: dict[int, torch.Generator] | None = None):
+    """The per-request sampling metadata the drafter reads (vLLM: top_k / top_p None when no request uses them;
+    ``generators``: batch row -> the seeded request's generator)."""
+    from qwen_serving.engine.kernels.draft_sample import SAMPLING_EPS
+
+    t = torch.tensor(temperature, dtype=torch.float32)
+    return SimpleNamespace(
+        all_greedy=bool((t < SAMPLING_EPS).all()), all_random=bool((t >= SAMPLING_EPS).all()),
+        temperature=t, top_k=None if top_k is None else torch.tensor(top_k),
+        top_p=None if top_p is None else torch.tensor(top_p, dtype=torch.float32),
+        top_k_max=None if top_k is None else max(top_k), generators={} if generators is None else generators)

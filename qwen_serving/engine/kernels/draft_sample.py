@@ -13,8 +13,8 @@ keeps speculative decoding exact; this one only spares candidates the target's o
 Greedy rows (temperature below vLLM's epsilon) take the largest logit, as vLLM's drafter does.
 
 Operations per draft: torch.topk over the K columns, a memset of the probability row (none when the caller hands
-over a row it zeroed, mtp_draft_vocab.StepDraftProbs), the noise, one kernel (a request without top-k or top-p
-adds none: the kernel skips that cut).
+over a row it zeroed, mtp_draft_vocab.StepDraftProbs), the noise (the caller's: mtp_seeded_drafts), one kernel (a
+request without top-k or top-p adds none: the kernel skips that cut).
 """
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ import triton.language as tl
 
 MAX_CANDIDATES = 64  # the spec's top-k is 20; a larger top-k drafts from the 64 most likely tokens
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
+
+
+def candidates(width: int) -> int:
+    """C, the candidates a row draws from (and the noise columns it needs) for ``width`` draft logits."""
+    return min(MAX_CANDIDATES, width)
 
 
 @triton.jit
@@ -79,17 +84,16 @@ def sample_draft(
     temperature: torch.Tensor,
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
-    noise: torch.Tensor | None = None,
+    noise: torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(draft token ids of the full vocabulary [rows] int64, q [rows, vocab_size] float32) from draft-vocabulary
-    logits [rows, K] (ids: the token id of each column). noise: [rows, C] Exp(1) draws (drawn here if None).
+    logits [rows, K] (ids: the token id of each column). noise: [rows, candidates(K)] Exp(1) draws (a seeded
+    request's from its own generator: mtp_seeded_drafts.exponential_).
     out: a zeroed [rows, vocab_size] float32 with unit column stride to write q into (a fresh one if None)."""
     rows, width = logits.shape
-    c = min(MAX_CANDIDATES, width)  # known on the host: no device read
+    c = candidates(width)  # known on the host: no device read
     vals, cand = torch.topk(logits, c, dim=1)
-    if noise is None:
-        noise = torch.empty(rows, c, dtype=torch.float32, device=logits.device).exponential_()
     probs = torch.zeros(rows, vocab_size, dtype=torch.float32, device=logits.device) if out is None else out
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     temperature = temperature.float()  # no copy when it is float32 already, as vLLM's is
@@ -112,7 +116,7 @@ def sample_draft_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same draw in plain torch, row by row: the definition the kernel is tested against."""
     rows, width = logits.shape
-    c = min(MAX_CANDIDATES, width)
+    c = candidates(width)
     probs = torch.zeros(rows, vocab_size, dtype=torch.float32)
     tokens = torch.empty(rows, dtype=torch.int64)
     for r in range(rows):

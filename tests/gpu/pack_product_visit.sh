@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Packs what tests/gpu/product_visit.sh has produced so far into OUT (at most 8 files, 16 MiB each, come back):
 # product-visit.json; product.tgz (every tool's JSON and log, the greedy answers, the run log); logs.tgz (each
-# server log's last 2 MB); visit.tgz (the visit and preparation logs); jit-cache.tgz.NN (the kernel caches in 15 MB
+# server log's last 2 MB); visit.tgz (the visit and preparation logs, the GPU tests' results and log); jit-cache.tgz.NN (the kernel caches in 15 MB
 # parts, when the files left hold them: carry them as .whl/ next time).
 set -uo pipefail
 OUT="${1:?usage: pack_product_visit.sh OUT}"
@@ -15,7 +15,7 @@ mkdir -p /tmp/pack-product-logs
 for log in product-out/*.server.log; do [ -e "$log" ] && tail -c 2000000 "$log" > "/tmp/pack-product-logs/$(basename "$log")"; done
 tar -czf "$OUT/logs.tgz" -C /tmp pack-product-logs 2>/dev/null
 parts=()
-for p in visit-prepare visit.log visit-prepare.log; do [ -e "$p" ] && parts+=("$p"); done
+for p in visit-prepare visit.log visit-prepare.log visit-tests visit-tests.log; do [ -e "$p" ] && parts+=("$p"); done
 [ ${#parts[@]} -gt 0 ] && tar -czf "$OUT/visit.tgz" "${parts[@]}" 2>/dev/null
 bash "$HERE/pack_jit_cache.sh" "$OUT"
 ls -la "$OUT"

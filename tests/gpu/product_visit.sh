@@ -7,7 +7,9 @@
 #    QS_PRODUCT_PLANS names, comma-separated, when set) within
 #    $QS_PRODUCT_BUDGET_S seconds (default: what is left of $QS_DEVICE_LEFT_S, 1,380 s = 30 device minutes less ~5
 #    for staging and ~2 for packing, when this script started); nothing else uses the GPU meanwhile;
-# 3. the line `VISIT DONE`. tests/gpu/pack_product_visit.sh OUT packs whatever is there so far.
+# 3. (QS_GPU_TESTS, default none) those GPU tests once the servers are gone, within what is left of the budget and
+#    at most $QS_VISIT_TESTS_LIMIT_S seconds (default 300), results in /tmp/visit-tests, log /tmp/visit-tests.log;
+# 4. the line `VISIT DONE`. tests/gpu/pack_product_visit.sh OUT packs whatever is there so far.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 1
@@ -17,6 +19,7 @@ VISIT_T0=$(date +%s)
 source tests/gpu/visit_prepare.sh  # log(), step 1 and the environment
 
 budget_s="${QS_PRODUCT_BUDGET_S:-$(( ${QS_DEVICE_LEFT_S:-1380} - ($(date +%s) - VISIT_T0) ))}"
+BUDGET_T0=$(date +%s)
 log "2. product plans (log /tmp/product.log), budget $budget_s s"
 mkdir -p /tmp/product-out
 plans=()
@@ -24,4 +27,15 @@ plans=()
 python3 bench/gpu/product_visit.py /tmp/product-out --site "$SITE" --patched-site "$PATCHED_SITE" \
   --budget-s "$budget_s" "${plans[@]}" > /tmp/product.log 2>&1
 log "product exit $?: $(tail -n 1 /tmp/product.log)"
+TESTS="${QS_GPU_TESTS:-none}"
+left_s=$(( budget_s - ($(date +%s) - BUDGET_T0) ))
+limit_s=$(( left_s < ${QS_VISIT_TESTS_LIMIT_S:-300} ? left_s : ${QS_VISIT_TESTS_LIMIT_S:-300} ))
+if [ "$TESTS" != none ] && [ "$limit_s" -gt 30 ]; then
+  log "3. GPU tests: $TESTS within $limit_s s (log /tmp/visit-tests.log)"
+  QS_GPU_TESTS="$TESTS" QS_GPU_RESULTS=/tmp/visit-tests QS_GPU_WORK=/tmp/visit-tests-work \
+    QS_GPU_PYTEST_LIMIT_S="$limit_s" bash tests/gpu/run_on_device.sh > /tmp/visit-tests.log 2>&1
+  log "GPU tests exit $?: $(tail -n 1 /tmp/visit-tests.log)"
+elif [ "$TESTS" != none ]; then
+  log "3. GPU tests skipped: $left_s s left"
+fi
 echo "VISIT DONE"

@@ -95,6 +95,7 @@ class CacheShape:
     spec_tokens: int = 0  # k: MTP drafts, or the DFlash2 verify block (DFLASH_TOKENS)
     prefix_cache: bool = False  # align mode: one more state page per GDN group
     kv_group_fix: bool = True  # patches/hybrid-kv-groups: the drafter's window layers no longer set the group size
+    window_page_fix: bool = True  # patches/hybrid-kv-padded-window-pages: a padded window page holds what fits
     max_num_batched_tokens: int = PREFILL_CHUNK
     async_scheduling: bool = False  # two batches in flight: the window group keeps two chunks
     conv_spec_rows: bool = True  # vLLM 0.28.0 keeps k extra conv rows per GDN state; False drops them
@@ -184,14 +185,26 @@ class CacheShape:
 
     @property
     def window_block_size(self) -> int:
-        """Tokens per block of the drafter's window group. Its bf16 pages are padded to the shared page, so vLLM
-        gives them as many tokens as fit; under KVarN the block must also divide the attention block in whole
-        tiles (the spec port's kernel-block rule), which at every draft length here leaves one tile."""
-        if self.kv_dtype != "kvarn":
-            return self.block_size
-        fit = self.page_bytes // kv_bytes_per_token_layer("auto", model.DRAFTER_KV_HEADS // self.tp,
-                                                          model.DRAFTER_HEAD_DIM)
-        return max(d for d in range(KVARN_TILE, max(fit, KVARN_TILE) + 1, KVARN_TILE) if self.block_size % d == 0)
+        """Tokens per block of the drafter's window group. vLLM builds the window layers at the kernel's smallest
+        block (16 tokens) and then unifies their page with the shared one (kv_cache_utils
+        unify_kv_cache_spec_page_size): a page that divides the shared page is scaled up to it, which for bf16 and
+        fp8 (the drafter's 8 x 128 heads take the target's bytes per token) is the attention block; one that does
+        not (int8 and int4 per-token-head: one fp32 scale per head for K and V, twice the target's heads) is
+        padded to it on Triton, upstream at 16 tokens a block, with the hybrid-kv-padded-window-pages patch at
+        the largest divisor of the attention block that fits (kv_groups.padded_block_size). Under KVarN the
+        drafter stays bf16 and its block must also divide the attention block in whole tiles (the spec port's
+        kernel-block rule), which at every draft length here leaves one tile."""
+        per_token = kv_bytes_per_token_layer("auto" if self.kv_dtype == "kvarn" else self.kv_dtype,
+                                             model.DRAFTER_KV_HEADS // self.tp, model.DRAFTER_HEAD_DIM)
+        if self.kv_dtype == "kvarn":
+            fit = self.page_bytes // per_token
+            return max(d for d in range(KVARN_TILE, max(fit, KVARN_TILE) + 1, KVARN_TILE) if self.block_size % d == 0)
+        smallest_page = KERNEL_BLOCK_ALIGNMENT * per_token
+        if self.page_bytes % smallest_page == 0:
+            return KERNEL_BLOCK_ALIGNMENT * (self.page_bytes // smallest_page)
+        if not self.window_page_fix:
+            return KERNEL_BLOCK_ALIGNMENT
+        return kv_groups.padded_block_size(KERNEL_BLOCK_ALIGNMENT, smallest_page, self.page_bytes, [self.block_size])
 
     def staging_bytes(self) -> int:
         """KVarN: the 16-bit staging pool on one card, beside KV_MEM: its slots (a tile of bf16 K and V each) in

@@ -480,8 +480,16 @@ def _size_pool(v: Values, model: str, probe: Probe, notes: list[str],
             max_len = fitted
             derived.append(Derived("max-model-len", fitted, "KV_MEM=auto: the longest context the pool holds"))
     if cache and kv_mem is not None and not cache.fits(kv_mem, max_len):
+        longest = cache.longest_context(kv_mem)
+        if not longest:  # a lower MAX_LEN cannot help: what a request holds before its first token fills the pool
+            window = cache.spec == "dflash2"
+            held = "state pages" + (f" and drafter window, in blocks of {cache.window_block_size} tokens" if window
+                                    else "")
+            _refuse(f"no context fits one request in a {kv_mem / memory.GiB:.2f} GiB pool: its {held} "
+                    f"({cache.resident_bytes() / memory.GiB:.2f} GiB) leave no block for it; raise KV_MEM"
+                    + (" or set DFLASH_TOKENS=7 (docs/long-context.md)" if window else ""))
         _refuse(f"MAX_LEN={max_len} does not fit one request in a {kv_mem / memory.GiB:.2f} GiB pool "
-                f"(longest that fits: {cache.longest_context(kv_mem)}); lower MAX_LEN or raise KV_MEM")
+                f"(longest that fits: {longest}); lower MAX_LEN or raise KV_MEM")
     if cache and kv_mem is not None and v.max_seqs > cache.num_blocks(kv_mem):
         # vLLM 0.28.0 stops at CUDA-graph capture: every decode sequence needs a GDN state block (H200, 2026-11-29)
         _refuse(f"MAX_SEQS={v.max_seqs} is more than the {cache.num_blocks(kv_mem)} blocks of a "

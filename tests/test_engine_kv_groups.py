@@ -1,5 +1,6 @@
 """Hybrid KV-group sizing (16 attention + 48 GDN layers + the DFlash2 drafter's 5 sliding-window
-layers) before and after patches/hybrid-kv-groups-v2-cudagraph.patch, and the V2 CUDA-graph reserve."""
+layers) before and after patches/hybrid-kv-groups-v2-cudagraph.patch, the V2 CUDA-graph reserve, and the
+drafter's padded window pages before and after patches/hybrid-kv-padded-window-pages.patch."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from qwen_serving.engine.kv_groups import choose_group_size, cudagraph_reserve_bytes, upstream_group_size
+from qwen_serving.engine.kv_groups import (
+    choose_group_size,
+    cudagraph_reserve_bytes,
+    padded_block_size,
+    upstream_group_size,
+)
 from tests.helpers.engine_trees import load
-from tests.helpers.kv_specs import qwen38_kv_specs
+from tests.helpers.kv_specs import qwen38_kv_specs, served_kv_specs
 
 KV_MEMORY = 5 << 30
 MAX_MODEL_LEN = 65536
@@ -86,6 +92,47 @@ def test_upstream_rule_matches_pristine():
     specs = qwen38_kv_specs(with_drafter=True)
     groups = utils._get_kv_cache_groups_uniform_page_size(specs)
     assert max(len(g.layer_names) for g in groups) == upstream_group_size([16, 48, 5])
+
+
+@pytest.mark.parametrize(
+    ("page", "shared_page", "shared_blocks", "block"),
+    [
+        (16 * 1088, 1696 * 1056, [1696], 848),  # int4 k=7: 1,646 tokens fit, 848 is the largest divisor of 1696
+        (16 * 2112, 864 * 2080, [864], 432),  # int8 k=7
+        (16 * 1088, 1840 * 1056, [1840], 368),  # int4 k=15
+        (16 * 2112, 944 * 2080, [944], 16),  # int8 k=15: 944 = 16 x 59 and 944 tokens do not fit
+        (16 * 1088, 1696 * 1056, [1696, 848], 848),  # every shared block must be divisible
+        (16 * 1088, 1696 * 1056, [], 16),  # no attention layer at the shared page: upstream's padding
+    ],
+)
+def test_padded_block_size(page, shared_page, shared_blocks, block):
+    assert padded_block_size(16, page, shared_page, shared_blocks) == block
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8_per_token_head", "int4_per_token_head"])
+def test_padded_window_pages_hold_what_fits(kv_dtype):
+    """Upstream pads each 16-token window page to the shared page; patched, the page holds the largest block that
+    divides the attention block and fits. bf16 pages divide the shared one and are scaled alike in both trees."""
+    specs = served_kv_specs(kv_dtype, 7)
+    attention = specs["model.layers.0.self_attn"]
+    trees = {tree: load(tree, "v1/core/kv_cache_utils.py").unify_kv_cache_spec_page_size(specs)
+             for tree in ("pristine", "patched")}
+    window = {tree: unified["draft.layers.0.self_attn"] for tree, unified in trees.items()}
+    assert {tree: spec.page_size_bytes for tree, spec in window.items()} == dict.fromkeys(trees,
+                                                                                        attention.page_size_bytes)
+    assert window["pristine"].block_size == 16
+    assert attention.block_size % window["patched"].block_size == 0
+    assert window["patched"].block_size == {"int8_per_token_head": 432, "int4_per_token_head": 848}[kv_dtype]
+    assert window["patched"].unpadded_page_size_bytes <= attention.page_size_bytes
+    for tree in trees:
+        assert trees[tree]["model.layers.16.linear_attn"] == specs["model.layers.16.linear_attn"]
+    for scaled in ("auto", "fp8"):  # bf16 and fp8: the drafter's page divides the shared one
+        served = served_kv_specs(scaled, 7)
+        unified = {tree: load(tree, "v1/core/kv_cache_utils.py").unify_kv_cache_spec_page_size(served)
+                   for tree in ("pristine", "patched")}
+        assert unified["pristine"] == unified["patched"]
+        window_block = unified["patched"]["draft.layers.0.self_attn"].block_size
+        assert window_block == served["model.layers.0.self_attn"].block_size
 
 
 @pytest.mark.parametrize(("raw", "mib"), [("0", 0), ("", 0), ("1200", 1200), (" 1.5 ", 1.5)])

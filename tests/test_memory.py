@@ -2,17 +2,22 @@
 
 The model follows vLLM 0.28.0 with this repo's patch series: k extra conv rows in every GDN state
 when speculating (qwen3_5.py passes num_spec to the state shape, so the block is 448 tokens at k=7,
-not 400), and the hybrid-kv-groups patch's group size (8 for 16 attention + 48 GDN + 5 drafter
-window layers). Where a figure misses by more than 2%, the test says why.
+not 400), the hybrid-kv-groups patch's group size (8 for 16 attention + 48 GDN + 5 drafter
+window layers) and the hybrid-kv-padded-window-pages patch's window block. Where a figure misses by
+more than 2%, the test says why.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from qwen_serving import memory, model
 from qwen_serving.memory import CacheShape, GiB
+from tests.helpers.engine_trees import load
+from tests.helpers.kv_specs import served_kv_specs
 
 KV_MEM = 5_583_457_484  # the spec's pinned 5.2 GiB pool
 DFLASH = CacheShape(spec="dflash2", spec_tokens=7)
@@ -70,6 +75,90 @@ def test_groups_match_the_vllm_under_test():
     by_kind = {"attention": FullAttentionSpec, "gdn": MambaSpec, "window": SlidingWindowSpec}
     assert {k: sum(type(g.kv_cache_spec) is t for g in groups) for k, t in by_kind.items()} == shape.groups
     assert max(len(g.layer_names) for g in groups) == shape.group_size
+
+
+KV_MEM_HUGE = 5_261_334_937  # knobs.KV_MEM_PINNED_HUGE: the spec's pinned CTX=huge pool
+
+
+def vllm_config(max_model_len: int, prefix_cache: bool = True) -> SimpleNamespace:
+    """What vLLM 0.28.0's grouping and capacity code reads of the config, as the single-user plan sets it."""
+    return SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=max_model_len),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        cache_config=SimpleNamespace(mamba_cache_mode="align" if prefix_cache else "none",
+                                     num_gpu_blocks_override=None),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+        max_in_flight_tokens=memory.PREFILL_CHUNK,  # --no-async-scheduling: one chunk in flight
+        kv_transfer_config=None)
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+@pytest.mark.parametrize("spec_tokens", [7, 15])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8_per_token_head", "int4_per_token_head"])
+def test_dflash2_pool_is_vllms_own_computation(kv_dtype, spec_tokens, prefix_cache):
+    """vLLM's own unification, grouping and capacity code on the served layers' specs (the tree under test) gives
+    the model's window block, blocks, bytes a max-length request needs, pool tokens and longest context, at the
+    CTX=fast, CTX=long and CTX=huge lengths and pins."""
+    import inspect
+
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    shape = CacheShape(
+        kv_dtype=kv_dtype, spec="dflash2", spec_tokens=spec_tokens, prefix_cache=prefix_cache,
+        kv_group_fix="choose_group_size" in inspect.getsource(kv_cache_utils._get_kv_cache_groups_uniform_page_size),
+        window_page_fix="padded_block_size" in inspect.getsource(kv_cache_utils.unify_kv_cache_spec_page_size))
+    for max_len, kv_mem in ((65_536, KV_MEM), (131_072, KV_MEM), (245_760, KV_MEM_HUGE)):
+        config = vllm_config(max_len, prefix_cache)
+        groups = kv_cache_utils.get_kv_cache_groups(config, served_kv_specs(kv_dtype, spec_tokens, prefix_cache,
+                                                                            max_len))
+        window = [g.kv_cache_spec.block_size for g in groups if isinstance(g.kv_cache_spec, SlidingWindowSpec)]
+        assert window == [shape.window_block_size]
+        kv_config = kv_cache_utils.get_kv_cache_config_from_groups(config, groups, kv_mem)
+        assert kv_config.num_blocks == shape.num_blocks(kv_mem)
+        needed = kv_cache_utils._max_memory_usage_bytes_from_groups(config, groups)
+        assert needed == shape.blocks_per_request(max_len) * shape.block_bytes
+        assert shape.fits(kv_mem, max_len) == (needed <= kv_mem)
+        assert kv_cache_utils.get_kv_cache_capacity(config, kv_config)[0] == shape.pool_tokens(kv_mem, max_len)
+        longest = kv_cache_utils._estimate_max_model_len_from_groups(config, groups, kv_mem)
+        # vLLM searches up to max_len; the model counts the window's whole admission cap, which a request holds
+        # once it is longer than the window and a prefill chunk
+        if model.DRAFTER_WINDOW + memory.PREFILL_CHUNK < longest < max_len:
+            assert shape.longest_context(kv_mem) == longest // 1024 * 1024
+
+
+def test_the_failed_dflash2_huge_boot_is_reproduced():
+    """H200, 2026-12-03, SPEC=dflash2 CTX=huge died at boot: "8.02 GiB KV cache is needed ... the estimated maximum
+    model length is 47488" for 245,760 tokens in the 4.90 GiB pin, after "attention block size to 1696 tokens",
+    "Padding mamba page size by 0.75%" and "Add 3 padding layers, may waste at most 60.00%". The tree that ran
+    grouped by the hybrid-kv-groups patch (the tree under test's grouping) after upstream's page unification (the
+    pristine tree's): the drafter's 16-token window pages padded to the 1,790,976-byte shared page, 257 of them
+    a request."""
+    from vllm.utils.mem_utils import format_gib
+    from vllm.v1.core import kv_cache_utils
+
+    pristine = load("pristine", "v1/core/kv_cache_utils.py")
+    specs = served_kv_specs("int4_per_token_head", 7)
+    full, gdn = specs["model.layers.0.self_attn"], specs["model.layers.16.linear_attn"]
+    state = memory.gdn_state_bytes_per_layer("float16", 7)
+    assert full.block_size == 1696 and f"{100 * (gdn.page_size_bytes - state) / state:.2f}" == "0.75"
+    groups = kv_cache_utils._get_kv_cache_groups_uniform_page_size(pristine.unify_kv_cache_spec_page_size(specs))
+    assert [len(g.layer_names) for g in groups][-1] == 5 and max(len(g.layer_names) for g in groups) == 8
+    config = vllm_config(245_760)
+    needed = kv_cache_utils._max_memory_usage_bytes_from_groups(config, groups)
+    assert (needed, format_gib(needed), format_gib(KV_MEM_HUGE)) == (8_611_012_608, "8.02", "4.9")
+    assert kv_cache_utils._estimate_max_model_len_from_groups(config, groups, KV_MEM_HUGE) == 47_488
+    visit = CacheShape(kv_dtype="int4_per_token_head", spec="dflash2", spec_tokens=7, prefix_cache=True,
+                       window_page_fix=False)
+    assert (visit.window_block_size, visit.window_blocks, visit.block_bytes) == (16, 257, 8 * 1_790_976)
+    assert visit.blocks_per_request(245_760) * visit.block_bytes == needed
+    assert not visit.fits(KV_MEM_HUGE, 245_760) and visit.fits(KV_MEM_HUGE, 47_488)
+    assert not visit.fits(KV_MEM_HUGE, 47_489)
+    # the fix: window pages of 848 tokens (half the attention block), 6 a request; 5,014,732,800 bytes at 245,760
+    fixed = CacheShape(kv_dtype="int4_per_token_head", spec="dflash2", spec_tokens=7, prefix_cache=True)
+    assert (fixed.window_block_size, fixed.window_blocks) == (848, 6)
+    assert fixed.blocks_per_request(245_760) * fixed.block_bytes == 5_014_732_800
+    assert fixed.pool_tokens(KV_MEM_HUGE, 245_760) == 257_696
 
 
 def test_group_fix_stops_padding_the_context_layers():
@@ -162,7 +251,6 @@ def test_prefix_cache_costs_one_state_page_per_group():
 
 
 # ---- KVarN (CTX=huge / KV=kvarn) ----
-KV_MEM_HUGE = 5_261_334_937  # knobs.KV_MEM_PINNED_HUGE: the spec's pinned CTX=huge pool
 
 
 def test_kvarn_bytes_per_token_are_the_kernel_layouts():

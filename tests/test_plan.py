@@ -46,7 +46,7 @@ EXAMPLES = [
     ("single", {"SPEC": "dflash2", "TP": "4"}),
     *[("single", {"CTX": ctx, "SPEC": spec}) for ctx in ("fast", "long", "huge") for spec in ("mtp", "dflash2", "off")],
     ("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15"}),
-    ("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15", "CTX": "long"}),
+    ("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "14", "CTX": "long"}),
     ("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15", "CTX": "huge", "PREFIX_CACHE": "1"}),
     ("single", {"SPEC": "dflash2", "PREFIX_CACHE": "0"}),
     ("single", {"PREFIX_CACHE": "0"}),
@@ -158,7 +158,7 @@ def test_refuse_dflash2_without_drafter(tmp_path):
 
 def test_huge_is_vllms_own_int4_cache_at_the_whole_context(probe):
     for env, max_len in (({"CTX": "huge"}, 262_144), ({"CTX": "huge", "SPEC": "dflash2"}, 245_760),
-                         ({"CTX": "huge", "SPEC": "dflash2", "DFLASH_TOKENS": "15"}, 212_992)):
+                         ({"CTX": "huge", "SPEC": "dflash2", "DFLASH_TOKENS": "15"}, 203_776)):
         p = plan.build("single", env, probe)
         assert p.cache.kv_dtype == "int4_per_token_head" and p.value("MAX_LEN") == max_len
         assert p.argv[p.argv.index("--attention-backend") + 1] == "TRITON_ATTN"
@@ -189,6 +189,10 @@ def test_refuse_max_len_beyond_the_pool(probe):
     msg = refused("single", {"SPEC": "dflash2", "MAX_LEN": "131072"}, probe, "longest that fits")
     assert "lower MAX_LEN or raise KV_MEM" in msg
     refused("single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15", "DFLASH_MAX_LEN": "65536"}, probe, "does not fit")
+    # int8 per-token-head at 15: a 944-token attention block (16 x 59) leaves the drafter's window pages 16 tokens,
+    # 257 of them a request: no context fits, whatever MAX_LEN says
+    msg = refused("single", {"SPEC": "dflash2", "CTX": "long", "DFLASH_TOKENS": "15"}, probe, "no context fits")
+    assert "blocks of 16 tokens" in msg and "set DFLASH_TOKENS=7" in msg and "lower MAX_LEN" not in msg
     assert plan.build("single", {"SPEC": "dflash2", "MAX_LEN": "131072", "KV_MEM": "10GiB"}, probe)
 
 

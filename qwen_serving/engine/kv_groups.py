@@ -12,6 +12,15 @@ picked to pad the context-sized buckets (full attention, mamba/GDN) least, then 
 ones least, never below the smallest bucket (so there are never more groups than upstream makes):
 16/48/5 gets groups of 8 (2 + 6 attention/GDN groups unpadded, the 5 drafter layers padded to 8).
 Without window-bounded buckets upstream's choice stands.
+
+Before grouping, vLLM gives every layer one page size: a layer whose page divides the largest one gets
+a larger block (integer scaling); one whose page does not, on a backend that reads pages by their block
+stride (Triton), is padded to it at its own block size. The drafter's window layers are built at the
+backend's smallest kernel block (16 tokens), so under a per-token-head cache, where their 8 x 128 heads
+take more bytes per token than the target's 4 x 256 (int4: 1,088 against 1,056), each 16-token window
+block was padded to a whole 1.79 MB page: at int4 and 7 drafts 257 blocks a request instead of 6
+(4.90 GiB held 47,488 tokens of context, not 245,760). ``padded_block_size`` fills such a page with as
+many tokens as fit.
 """
 
 from __future__ import annotations
@@ -44,6 +53,22 @@ def choose_group_size(bucket_sizes: list[int], window_bounded: list[bool]) -> in
         return upstream
     candidates = range(min(bucket_sizes), max(context_sized) + 1)
     return min(candidates, key=lambda g: (padding_layers(context_sized, g), padding_layers(window_sized, g), -g))
+
+
+def padded_block_size(block_size: int, page_bytes: int, shared_page_bytes: int,
+                      shared_block_sizes: list[int]) -> int:
+    """Block size for an attention layer whose page (``page_bytes`` at ``block_size`` tokens) is padded up to
+    ``shared_page_bytes``: the largest multiple of ``block_size`` whose page still fits and that divides the
+    block size of every attention layer already at the shared page (``shared_block_sizes``), so the scheduler's
+    block (the LCM of the groups' block sizes) stays theirs and the prefix-cache hash block (the GCD) divides it.
+    Mamba layers are left out: without prefix caching their block is max_model_len.
+    Multiples of the layer's block stay multiples of the kernel block it was built at. ``block_size`` itself
+    when no larger one qualifies or no attention layer is at the shared page (upstream's padding)."""
+    if not shared_block_sizes:
+        return block_size
+    shared = math.gcd(*shared_block_sizes)
+    fitting = [m for m in range(1, shared_page_bytes // page_bytes + 1) if shared % (m * block_size) == 0]
+    return block_size * max(fitting, default=1)
 
 
 def cudagraph_reserve_bytes(raw: str) -> int:

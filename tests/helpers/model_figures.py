@@ -2,7 +2,10 @@
 
 `python -m tests.helpers.model_figures > tests/fixtures/model-figures.json` wrote the fixture before
 the dimensions moved into qwen_serving/model.py; tests/test_model.py computes the same figures now and
-compares, so the move changed no pool size, weight size or synthetic checkpoint.
+compares, so the move changed no pool size, weight size or synthetic checkpoint. The fixture predates the
+drafter's window block (hybrid-kv-padded-window-pages.patch, 2026-12-03), which the model then took as the
+attention block for every cache: DFlash2's per-token-head shapes differ from it in the figures that count window
+blocks, and the test says which.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 #   setsid nohup bash tests/gpu/product_visit.sh > /tmp/visit.log 2>&1 < /dev/null &
 # 1. the patch series on a copy of vllm in $PATCHED_SITE ($SITE stays stock; visit_prepare.sh);
 # 2. bench/gpu/product_visit.py (the checkpoint, its prepared copy and the drafter, then the waves; only the configs
-#    QS_PRODUCT_PLANS names, comma-separated, when set) within
+#    QS_PRODUCT_PLANS names, comma-separated, when set; shares separated by ';' run one after another, the second
+#    into /tmp/product-out-2 with log /tmp/product-2.log, and so on, each with what is left) within
 #    $QS_PRODUCT_BUDGET_S seconds (default: what is left of $QS_DEVICE_LEFT_S, 1,380 s = 30 device minutes less ~5
 #    for staging and ~2 for packing, when this script started); nothing else uses the GPU meanwhile;
 # 3. (QS_GPU_TESTS, default none) those GPU tests once the servers are gone, within what is left of the budget and
@@ -20,13 +21,23 @@ source tests/gpu/visit_prepare.sh  # log(), step 1 and the environment
 
 budget_s="${QS_PRODUCT_BUDGET_S:-$(( ${QS_DEVICE_LEFT_S:-1380} - ($(date +%s) - VISIT_T0) ))}"
 BUDGET_T0=$(date +%s)
-log "2. product plans (log /tmp/product.log), budget $budget_s s"
-mkdir -p /tmp/product-out
-plans=()
-[ -n "${QS_PRODUCT_PLANS:-}" ] && plans=(--plans "$QS_PRODUCT_PLANS")
-python3 bench/gpu/product_visit.py /tmp/product-out --site "$SITE" --patched-site "$PATCHED_SITE" \
-  --budget-s "$budget_s" "${plans[@]}" > /tmp/product.log 2>&1
-log "product exit $?: $(tail -n 1 /tmp/product.log)"
+# shares of the configs, one after another, each with what the ones before it left (visit 13 ran two by hand)
+IFS=';' read -r -a shares <<< "${QS_PRODUCT_PLANS:-}"
+[ ${#shares[@]} -eq 0 ] && shares=("")
+n=0
+for share in "${shares[@]}"; do
+  n=$((n + 1))
+  out=/tmp/product-out; plog=/tmp/product.log
+  [ "$n" -gt 1 ] && out=/tmp/product-out-$n && plog=/tmp/product-$n.log
+  left_s=$(( budget_s - ($(date +%s) - BUDGET_T0) ))
+  log "2.$n product plans ${share:-(all)} (log $plog), budget $left_s s"
+  mkdir -p "$out"
+  plans=()
+  [ -n "$share" ] && plans=(--plans "$share")
+  python3 bench/gpu/product_visit.py "$out" --site "$SITE" --patched-site "$PATCHED_SITE" \
+    --budget-s "$left_s" "${plans[@]}" > "$plog" 2>&1
+  log "product exit $?: $(tail -n 1 "$plog")"
+done
 TESTS="${QS_GPU_TESTS:-none}"
 left_s=$(( budget_s - ($(date +%s) - BUDGET_T0) ))
 limit_s=$(( left_s < ${QS_VISIT_TESTS_LIMIT_S:-300} ? left_s : ${QS_VISIT_TESTS_LIMIT_S:-300} ))

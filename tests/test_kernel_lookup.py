@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen_serving.engine.kernels.lookup import LookupDraft, lookup_draft, lookup_draft_reference
+from qwen_serving.engine.kernels.lookup import (
+    DEFAULT_BLOCK,
+    LookupDraft,
+    lookup_chunks,
+    lookup_draft,
+    lookup_draft_reference,
+    lookup_scratch,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -117,6 +124,74 @@ def test_shapes_far_matches_and_near_misses_equal_reference(block):
     got = lookup_draft(history, lengths, 8, 6, 12, **kwargs)
     assert got.match_len.tolist()[:2] == [6, 0] and got.tokens[0, 0] == 1
     assert got.match_len[4] == 12 and got.tokens[4].tolist() == unique[:8]
+
+
+def _quoted(quote: list[int], end: int, total: int, tail: list[int], seed: int) -> list[int]:
+    """`total` tokens: unique filler with `quote` ending right before position `end`, and `tail` last."""
+    gen = torch.Generator().manual_seed(seed)
+    filler = (torch.randperm(5000, generator=gen) + 100).tolist()
+    seq = filler[: end - len(quote)] + quote + filler[end - len(quote) : total - len(quote) - len(tail)]
+    return seq + tail
+
+
+@pytest.mark.parametrize("block", [1, 2, 8, 32])
+def test_matches_straddling_chunk_boundaries(block):
+    # the continuation lands just before, at and just after a chunk edge: the occurrence's tokens are in the
+    # previous chunk, which the suffix test reads
+    quote = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    seqs, conts = [], []
+    for edge in (32, 64):
+        for shift in (-2, -1, 0, 1, 2):
+            conts.append(edge + shift)
+            seqs.append(_quoted(quote + [50], edge + shift, 90, quote, seed=edge + shift))
+    history, lengths = _pack(seqs, width=97)  # not a multiple of any chunk above 1
+    got = lookup_draft(history, lengths, 3, 4, 9, block=block)
+    _assert_same(got, lookup_draft_reference(history, lengths, 3, 4, 9))
+    assert got.match_len.tolist() == [9] * len(seqs) and (got.tokens[:, 0] == 50).all()
+
+
+@pytest.mark.parametrize("block", [4, 16])
+def test_oldest_chunk_longest_match_and_ties_across_chunks(block):
+    a = [11, 12, 13, 14, 15, 16, 17, 18]
+    longest_oldest = _quoted(a + [60], 9, 80, [], seed=1)
+    for at in (30, 50, 70):  # shorter occurrences in newer chunks, each with a different continuation
+        longest_oldest[at - 5 : at + 1] = a[3:] + [61 + at]
+    longest_oldest += a
+    tie = _quoted(a + [70], 9, 80, [], seed=2)
+    for at in (30, 50, 72):  # the same full-length occurrence in several chunks: the most recent one wins
+        tie[at - 8 : at + 1] = a + [71 + at]
+    tie += a
+    history, lengths = _pack([longest_oldest, tie])
+    got = lookup_draft(history, lengths, 2, 3, 8, block=block)
+    _assert_same(got, lookup_draft_reference(history, lengths, 2, 3, 8))
+    assert got.match_len.tolist() == [8, 8] and got.tokens[:, 0].tolist() == [60, 71 + 72]
+
+
+@pytest.mark.parametrize("block", [1, 8, 64, None])
+def test_short_histories_and_random_batches_across_chunk_sizes(block):
+    gen = torch.Generator().manual_seed(21)
+    seqs = [[], [5], [5, 5], [5, 5, 5], [1, 2, 1, 2, 1]]  # lengths 0 and 1, and shorter than one chunk
+    for _ in range(4):
+        seqs.append(torch.randint(0, 3, (int(torch.randint(20, 70, (1,), generator=gen)),), generator=gen).tolist())
+    history, lengths = _pack(seqs, width=75)
+    kwargs = {} if block is None else {"block": block}
+    for num_draft, nmin, nmax in [(4, 1, 3), (6, 3, 7)]:
+        got = lookup_draft(history, lengths, num_draft, nmin, nmax, **kwargs)
+        _assert_same(got, lookup_draft_reference(history, lengths, num_draft, nmin, nmax))
+    got = lookup_draft(history, lengths, 4, 1, 3, **kwargs)
+    assert got.match_len.tolist()[:5] == [0, 0, 1, 2, 3] and got.num_valid.tolist()[:5] == [0, 0, 1, 1, 2]
+
+
+def test_preallocated_scratch_is_overwritten_in_place():
+    seqs = [[1, 2, 3, 1, 2, 3, 1, 2], [9, 8, 7, 6, 9, 8, 7]]
+    history, lengths = _pack(seqs, width=21)
+    assert lookup_chunks(21, 4) == 6 and lookup_chunks(21) == 1 and DEFAULT_BLOCK >= 1024
+    scratch = lookup_scratch(2, 21, 4).fill_(-1)  # junk from an earlier step must not leak into this one
+    got = lookup_draft(history, lengths, 3, 2, 4, block=4, scratch=scratch)
+    _assert_same(got, lookup_draft_reference(history, lengths, 3, 2, 4))
+    assert (scratch >= 0).all() and (scratch.amax(dim=1) >> 32).tolist() == [4, 3]
+    with pytest.raises(ValueError, match="scratch"):
+        lookup_draft(history, lengths, 3, 2, 4, block=8, scratch=scratch)
 
 
 def test_bad_parameters_raise():

@@ -4,7 +4,7 @@ patches/dflash2-lookup.patch builds a `ContextLookup` beside the V2 model runner
 speculator is DFlash2's and VLLM_DFLASH2_LOOKUP=1, and calls `fuse` right after each `propose`, before the drafts
 are stored for the next verify step. `fuse` runs kernels/lookup over every request's own token history (the
 runner's RequestState.all_token_ids, `total_len` tokens long: the step's accepted tokens and bonus included),
-one program per request, and merges what it found with the drafter's block:
+in chunks of candidates across the GPU, and merges what it found with the drafter's block:
 - a match of at least `nstrong` tokens is taken alone: its continuation replaces the drafter's tokens;
 - a shorter one only where the drafter proposed the same first `agree` tokens: those stay the drafter's (the same
   tokens, with the drafter's own proposal), the lookup fills the positions after them;
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from qwen_serving.engine import spec_verify_block as svb
-from qwen_serving.engine.kernels.lookup import MAX_NMAX, LookupDraft, lookup_draft
+from qwen_serving.engine.kernels.lookup import MAX_NMAX, LookupDraft, lookup_draft, lookup_scratch
 
 ENABLE_ENV = "VLLM_DFLASH2_LOOKUP"
 PARAM_ENVS = {"nmin": "VLLM_DFLASH2_LOOKUP_NMIN", "nmax": "VLLM_DFLASH2_LOOKUP_NMAX",
@@ -48,7 +48,7 @@ SPECULATOR = "DFlash2Speculator"  # the V2 runner's DFlash2 speculator class (it
 @dataclass(frozen=True)
 class LookupParams:
     nmin: int  # shortest suffix that may match
-    nmax: int  # longest suffix tried (the kernel stops at the first match this long)
+    nmax: int  # longest suffix tried
     nstrong: int  # a match this long is taken alone
     agree: int  # a shorter match needs the drafter's first `agree` tokens to equal its own
 
@@ -144,6 +144,7 @@ class ContextLookup:
         self.found = LookupDraft(torch.zeros(max_reqs, self.verify_tokens, dtype=torch.int64, device=device),
                                  torch.zeros(max_reqs, dtype=torch.int32, device=device),
                                  torch.zeros(max_reqs, dtype=torch.int32, device=device))
+        self.scratch = lookup_scratch(max_reqs, history.shape[1], device=device)  # the kernel's per-chunk bests
         self.next_block = self.num_draft  # the drafts the next step verifies
         self.schedule: svb.VerifyBlockSchedule | None = None
         if self.verify_tokens > self.num_draft:
@@ -171,7 +172,7 @@ class ContextLookup:
             return draft_tokens
         found = LookupDraft(*(t[:batch] for t in self.found))
         lookup_draft(self.history, self.lengths, self.verify_tokens, self.params.nmin, self.params.nmax,
-                     slots=idx_mapping, out=found)
+                     slots=idx_mapping, out=found, scratch=self.scratch[:batch])
         head = LookupDraft(found.tokens[:, : self.num_draft], found.num_valid, found.match_len)
         taken, first = taken_matches(draft_tokens, head, self.params, num_sampled > 0)
         filled = _filled(taken, first, found.num_valid, self.num_draft)

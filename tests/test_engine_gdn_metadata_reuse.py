@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qwen_serving.engine import gdn_metadata_reuse
+from tests.helpers.gdn_builder import builder_config
 
 BLOCK = 4  # tokens per block in align mode: a few blocks per request at these lengths
 MAX_LEN = 64
@@ -27,19 +28,7 @@ BT_FIELDS = {"spec_state_indices_tensor", "non_spec_state_indices_tensor", "pref
 
 
 def make_config(num_spec: int, full_graphs: bool, mode: str, ubatching: bool = False) -> SimpleNamespace:
-    from vllm.config import CUDAGraphMode
-
-    return SimpleNamespace(
-        compilation_config=SimpleNamespace(
-            cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE if full_graphs else CUDAGraphMode.PIECEWISE,
-            max_cudagraph_capture_size=None),
-        speculative_config=(SimpleNamespace(num_speculative_tokens=num_spec, parallel_drafting=False)
-                            if num_spec else None),
-        scheduler_config=SimpleNamespace(max_num_seqs=MAX_NUM_SEQS),
-        cache_config=SimpleNamespace(mamba_cache_mode=mode),
-        parallel_config=SimpleNamespace(decode_context_parallel_size=1, use_ubatching=ubatching),
-        additional_config={},
-    )
+    return builder_config(num_spec, full_graphs, mode, MAX_NUM_SEQS, ubatching)
 
 
 def make_builder(config: SimpleNamespace, num_spec: int, mode: str):

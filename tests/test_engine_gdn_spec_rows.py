@@ -8,22 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from qwen_serving.engine.gdn_spec_rows import spec_rows
-
-
-class RecordOps(TorchDispatchMode):
-    """Every aten op dispatched while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket.__name__))
-        return func(*args, **(kwargs or {}))
-
+from tests.helpers.aten_ops import RecordOps
 
 MASKS = {
     "all speculating": [True] * 4,

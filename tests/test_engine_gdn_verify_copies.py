@@ -21,9 +21,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 from qwen_serving.engine import gdn_verify_copies
+from tests.helpers.aten_ops import RecordOps
+from tests.helpers.gdn_builder import builder_config
 
 LAYER_FILE = Path("model_executor") / "layers" / "mamba" / "gdn" / "qwen_gdn_linear_attn.py"
 PREFIX = "model.layers.0.linear_attn"
@@ -33,18 +35,6 @@ CONV_DIM = 2 * KEY_DIM + VALUE_DIM
 MAX_NUM_SEQS = 8
 DTYPE = torch.float32  # the model's dtype here: the interpreted conv kernel returns garbage on bf16 (CPU only)
 COPY_OPS = {"copy_", "clone", "cat", "index_copy", "index_copy_", "index_select", "_to_copy"}
-
-
-class RecordOps(TorchDispatchMode):
-    """Every aten op dispatched while active (the interpreted kernels run with it suspended)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket.__name__))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(scope="module")
@@ -145,20 +135,10 @@ class Layer:
 
 
 def builder(num_spec: int, full_graphs: bool):
-    from vllm.config import CUDAGraphMode
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    config = SimpleNamespace(
-        compilation_config=SimpleNamespace(
-            cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE if full_graphs else CUDAGraphMode.PIECEWISE,
-            max_cudagraph_capture_size=None),
-        speculative_config=(SimpleNamespace(num_speculative_tokens=num_spec, parallel_drafting=False)
-                            if num_spec else None),
-        scheduler_config=SimpleNamespace(max_num_seqs=MAX_NUM_SEQS),
-        cache_config=SimpleNamespace(mamba_cache_mode="none"),
-        parallel_config=SimpleNamespace(decode_context_parallel_size=1, use_ubatching=False),
-        additional_config={})
+    config = builder_config(num_spec, full_graphs, "none", MAX_NUM_SEQS)
     spec = MambaSpec(block_size=64, shapes=((2, 3), (2, 4)), dtypes=(torch.float32, torch.float32),
                      mamba_cache_mode="none", num_speculative_blocks=num_spec)
     return GDNAttentionMetadataBuilder(spec, [PREFIX], config, torch.device("cpu"))

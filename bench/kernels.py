@@ -2,6 +2,7 @@
 
     python bench/kernels.py [--out DIR] [--quick]          # writes DIR/kernels-h200.json and .png
     python bench/kernels.py --plot-only DIR/kernels-h200.json   # PNG from an earlier run (needs matplotlib)
+    python bench/kernels.py --only lookup [--out DIR]       # some sections: DIR/kernels-h200-lookup.json, no PNG
 
 - spec_attn (verify step, 24/4 heads, head_dim 256, bf16 paged KV, batch 1) vs vLLM's FlashAttention
   (vllm.vllm_flash_attn.flash_attn_varlen_func, fa_version=2 = the RTX 3090's path, 3 = the H200's default)
@@ -350,12 +351,20 @@ def plot(report: dict, path: Path) -> bool:
     return True
 
 
+SECTIONS = ("spec_attn", "topk_topp", "softmax", "lookup", "prefill_int8_attn")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for the JSON and PNG")
     parser.add_argument("--quick", action="store_true", help="fewer lengths (a smoke run)")
     parser.add_argument("--plot-only", type=Path, help="render the PNG of an existing JSON and exit")
+    parser.add_argument("--only", metavar="NAME[,NAME]", type=lambda s: [n for n in s.split(",") if n],
+                        help=f"these sections alone ({', '.join(SECTIONS)}), into their own JSON")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.only or ()) - set(SECTIONS))
+    if unknown:
+        parser.error(f"--only: no section {', '.join(unknown)} (there are {', '.join(SECTIONS)})")
     if args.plot_only:
         import json
 
@@ -381,7 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         "lookup": bench_lookup,
         "prefill_int8_attn": lambda: bench_prefill(prefill_lengths),
     }
+    assert tuple(sections) == SECTIONS
     for name, run in sections.items():
+        if args.only and name not in args.only:
+            continue
         try:
             report[name] = run()
         except Exception:  # one broken section must not cost the others their numbers
@@ -392,11 +404,13 @@ def main(argv: list[str] | None = None) -> int:
     report["spec_attn_speedup_16k_q5"] = at16.get("speedup_vs_fa2")
     report["spec_attn_speedup_vs_fa3_16k_q5"] = at16.get("speedup_vs_fa3")
     report["spec_attn_hbm_fraction_16k_q5"] = at16.get("ours_kv_fraction_of_hbm")
-    report["targets_met"] = targets(report)
-    path = args.out / f"{RESULT_NAME}.json"
+    report["targets_met"] = {k: v for k, v in targets(report).items()  # a section's targets start with its first word
+                             if not args.only or any(k.startswith(s.split("_")[0]) for s in args.only)}
+    path = args.out / (f"{RESULT_NAME}-{'-'.join(args.only)}.json" if args.only else f"{RESULT_NAME}.json")
     write_json_atomic(path, report)
     say(f"wrote {path}; targets met: {report['targets_met']}")
-    plot(report, path.with_suffix(".png"))
+    if not args.only:  # the figure draws every section
+        plot(report, path.with_suffix(".png"))
     return 1 if report["errors"] else 0
 
 

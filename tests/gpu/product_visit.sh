@@ -3,6 +3,7 @@
 # .whl/extra are staged (tests/gpu/README.md, "A product-plans visit"). Start detached:
 #   setsid nohup bash tests/gpu/product_visit.sh > /tmp/visit.log 2>&1 < /dev/null &
 # 1. the patch series on a copy of vllm in $PATCHED_SITE ($SITE stays stock; visit_prepare.sh);
+# 1b. bench/kernels.py --only $QS_KERNELS (default lookup; none skips it) into /tmp/product-out, GPU still idle;
 # 2. bench/gpu/product_visit.py (the checkpoint, its prepared copy and the drafter, then the waves; only the configs
 #    QS_PRODUCT_PLANS names, comma-separated, when set; shares separated by ';' run one after another, the second
 #    into /tmp/product-out-2 with log /tmp/product-2.log, and so on, each with what is left) within
@@ -21,6 +22,12 @@ source tests/gpu/visit_prepare.sh  # log(), step 1 and the environment
 
 budget_s="${QS_PRODUCT_BUDGET_S:-$(( ${QS_DEVICE_LEFT_S:-1380} - ($(date +%s) - VISIT_T0) ))}"
 BUDGET_T0=$(date +%s)
+# 1b. kernels alone while the GPU is idle (QS_KERNELS, default lookup: issue #18's 20 us; none to skip)
+if [ "${QS_KERNELS:-lookup}" != none ]; then
+  mkdir -p /tmp/product-out
+  timeout 180 python3 bench/kernels.py --only "${QS_KERNELS:-lookup}" --out /tmp/product-out > /tmp/product-out/kernels.log 2>&1
+  log "kernels ${QS_KERNELS:-lookup} exit $?: $(tail -n 1 /tmp/product-out/kernels.log)"
+fi
 # shares of the configs, one after another, each with what the ones before it left (visit 13 ran two by hand)
 IFS=';' read -r -a shares <<< "${QS_PRODUCT_PLANS:-}"
 [ ${#shares[@]} -eq 0 ] && shares=("")

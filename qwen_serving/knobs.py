@@ -453,7 +453,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("DFLASH_MAX_LEN", _int(1024, 1 << 20), _rules(
         # each keyed on SPEC=dflash2 too, so no other plan prints a note for a value it never reads
         Rule(203_776, {"SPEC": "dflash2", "CTX": "huge", "DFLASH_TOKENS": Above(7)},
-             "memory model: the longest context a 16-token block leaves in the 4.90 GiB pool (spec: 240k does not boot)"),
+             "memory model: the longest context the 4.90 GiB pool holds above 7 drafts (spec: 240k does not boot)"),
         Rule(245_760, {"SPEC": "dflash2", "CTX": "huge"}),
         Rule(114_688, {"SPEC": "dflash2", "CTX": "long", "DFLASH_TOKENS": Above(7)},
              "memory model: 8 to 14 drafts hold it; at 15, 16, 18, 19, 28 and 29 no context fits (docs/long-context.md)"),

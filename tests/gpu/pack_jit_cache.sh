@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# The kernel caches (Triton's, vLLM's compiled graphs) into OUT for a later visit's boot, in 15 MB parts, when the
-# 8 files that come back leave room for them (visit 10's were 126 MB: too many); run by the pack scripts
-# last, after their own files.  Usage: bash tests/gpu/pack_jit_cache.sh OUT
+# The kernel caches (Triton's, vLLM's compiled graphs) into OUT for a later visit's boot, xz-compressed in parts of
+# 16,000,000 bytes (a file that comes back is at most 16 MiB, and at most 8 of them), when the files already in OUT
+# leave room for them. Visit 10's were 126 MB gzipped, more than the files a visit's pack leaves: give them a call
+# of their own once the results are here (OUT empty: 8 parts, 128 MB). The pack scripts run this last.
+#   Usage: bash tests/gpu/pack_jit_cache.sh OUT
 set -uo pipefail
 OUT="${1:?usage: pack_jit_cache.sh OUT}"
-rm -f "$OUT"/jit-cache.tgz.*
-if tar -czf /tmp/jit-cache.tgz -C "$HOME" .triton/cache .cache/vllm/torch_compile_cache 2>/dev/null; then
+PART=16000000
+rm -f "$OUT"/jit-cache.t?z.*
+if command -v xz > /dev/null; then ext=txz; squeeze=(xz -T0 -6); else ext=tgz; squeeze=(gzip -6); fi
+if tar -cf - -C "$HOME" .triton/cache .cache/vllm/torch_compile_cache 2>/dev/null | "${squeeze[@]}" > "/tmp/jit-cache.$ext"; then
   room=$(( 8 - $(find "$OUT" -maxdepth 1 -type f | wc -l) ))
-  if [ "$(stat -c %s /tmp/jit-cache.tgz)" -le $(( room * 15000000 )) ]; then
-    split -b 15000000 -d -a 2 /tmp/jit-cache.tgz "$OUT/jit-cache.tgz."
-  else echo "kernel caches: $(stat -c %s /tmp/jit-cache.tgz) bytes, more than the $room parts left: not packed"; fi
+  size=$(stat -c %s "/tmp/jit-cache.$ext")
+  if [ "$size" -le $(( room * PART )) ]; then
+    split -b "$PART" -d -a 2 "/tmp/jit-cache.$ext" "$OUT/jit-cache.$ext."
+    echo "kernel caches: $size bytes in $(( (size + PART - 1) / PART )) parts"
+  else echo "kernel caches: $size bytes, more than the $room parts left: not packed (a call of their own holds 8)"; fi
 fi

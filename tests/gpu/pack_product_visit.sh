@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Packs what tests/gpu/product_visit.sh has produced so far into OUT (at most 8 files, 16 MiB each, come back):
-# product-visit.json (and product-visit-N.json for share N of QS_PRODUCT_PLANS); product.tgz (every tool's JSON and log, the greedy answers, the run log); logs.tgz (each
-# server log's last 2 MB); visit.tgz (the visit and preparation logs, the GPU tests' results and log); jit-cache.tgz.NN (the kernel caches in 15 MB
-# parts, when the files left hold them: carry them as .whl/ next time).
+# product-visit.json (and product-visit-N.json for share N of QS_PRODUCT_PLANS); product.tgz (every tool's JSON and
+# log, the greedy answers, the run log); logs.tgz (each server log's last 2 MB); visit.tgz (the visit and preparation
+# logs, the GPU tests' results and log); jit-cache.txz.NN (the kernel caches in 16 MB parts, when the files left hold
+# them: carry them as .whl/ next time; else pack_jit_cache.sh in a call of its own).
 set -uo pipefail
 OUT="${1:?usage: pack_product_visit.sh OUT}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

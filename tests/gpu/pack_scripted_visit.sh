@@ -3,7 +3,7 @@
 # scripted-h200-mtp.json; scripted.tgz (the run's JSON: greedy answers, chi-square samples, prediction, synth and
 # prediction logs, the run log); logs.tgz (each server log's last 2 MB); profiles.tgz (the gzipped traces of the
 # profiled C1 windows); tests.tgz (the GPU tests' results and logs, the visit logs);
-# jit-cache.tgz.NN (the kernel caches in 15 MB parts, when the files left hold them: carry them as .whl/ next time).
+# jit-cache.txz.NN (the kernel caches in 16 MB parts, when the files left hold them: carry them as .whl/ next time).
 set -uo pipefail
 OUT="${1:?usage: pack_scripted_visit.sh OUT}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

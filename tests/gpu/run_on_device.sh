@@ -100,12 +100,15 @@ fi
 python3 -m qwen_serving.patchset verify --vllm-dir "$VLLM_TREE" || finish 12 "patch series not fully applied"
 record_phase apply_s $(( $(date +%s) - t ))
 # The kernel caches brought back from an earlier visit (README: jit-cache; Triton's and vLLM's compiled graphs, in
-# parts of at most 15 MB) skip most of a server's kernel JIT and torch.compile.
-CACHE_PARTS="${STAGE:-/tmp/stage}/jit-cache.tgz"
-if compgen -G "$CACHE_PARTS.*" > /dev/null; then
-  log "restoring the kernel caches from $CACHE_PARTS.*"
-  cat "$CACHE_PARTS".* | tar -xzf - -C "$HOME" || log "the kernel caches did not unpack (the servers compile afresh)"
-fi
+# parts of at most 16 MB, xz or gzip) skip most of a server's kernel JIT and torch.compile.
+for CACHE_PARTS in "${STAGE:-/tmp/stage}/jit-cache.txz" "${STAGE:-/tmp/stage}/jit-cache.tgz"; do
+  if compgen -G "$CACHE_PARTS.*" > /dev/null; then
+    log "restoring the kernel caches from $CACHE_PARTS.*"
+    unsqueeze=(xz -d); [ "${CACHE_PARTS##*.}" = tgz ] && unsqueeze=(gzip -d)
+    cat "$CACHE_PARTS".* | "${unsqueeze[@]}" | tar -xf - -C "$HOME" \
+      || log "the kernel caches did not unpack (the servers compile afresh)"
+  fi
+done
 [ "${QS_GPU_TESTS:-}" = none ] && finish 0 "stack ready, no tests asked for (QS_GPU_TESTS=none)"
 
 # 3. the GPU tests (tests/gpu/conftest.py writes gpu-smoke-h200.json and the server logs into $RESULTS)

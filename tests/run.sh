@@ -4,6 +4,8 @@
 # against it on two workers (pytest-xdist). GPU tests (-m gpu) are skipped here; tests/gpu/README.md runs them.
 #   bash tests/run.sh [pytest args...]      e.g. bash tests/run.sh -k patchset -x   (-n 0: one process)
 #   bash tests/run.sh -n 0 tests/test_synth.py  (arguments naming tests/... run those alone)
+# Env: QS_CPU_VENV (default .venv-cpu), QS_PATCHED_ROOT (where the patched copy goes and stays; default a copy of
+# this run's own under build/, removed at exit).
 # The shell linter (shellcheck, a system package) is installed with apt-get when missing and this runs as root;
 # elsewhere tests/test_lint.py fails with the command to install it.
 set -euo pipefail
@@ -43,8 +45,14 @@ if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v a
   (apt-get update -qq && apt-get install -y -qq shellcheck >/dev/null) || echo "tests/run.sh: could not install shellcheck"
 fi
 
-# 2. a patched copy of the pristine package; the venv's own copy is never modified
-PATCHED_ROOT="${QS_PATCHED_ROOT:-$ROOT/build/vllm-patched}"
+# 2. a patched copy of the pristine package; the venv's own copy is never modified. Without QS_PATCHED_ROOT each run
+# has its own copy, removed at exit: two runs in one checkout would otherwise rebuild the same tree under each other
+if [ -n "${QS_PATCHED_ROOT:-}" ]; then
+  PATCHED_ROOT="$QS_PATCHED_ROOT"
+else
+  PATCHED_ROOT="$ROOT/build/vllm-patched.$$"
+  trap 'rm -rf "$PATCHED_ROOT"' EXIT
+fi
 step "copying pristine vllm to $PATCHED_ROOT and applying patches/series"
 rm -rf "$PATCHED_ROOT"; mkdir -p "$PATCHED_ROOT"
 cp -a "$PRISTINE" "$PATCHED_ROOT/vllm"

@@ -57,7 +57,7 @@ from qwen_serving import memory, plan  # noqa: E402
 
 REPORT = "product-visit.json"
 SCHEMA = "qwen-serving product-visit/1"
-GiB, MiB = memory.GiB, 1 << 20
+GiB, MiB = memory.GiB, memory.MiB
 # the card the pools are pinned for: a headless 24 GB card's free VRAM (docs/long-context.md's table)
 CARD_FREE = int(23.60 * GiB)
 DRAFTER_AGREE = 0.7  # scripted_dflash2's default --agree
@@ -689,8 +689,9 @@ def run(args: argparse.Namespace) -> int:
         rec.data["checks"] = judge(rec.data, traces, design, prompts)
 
     def stop(wave: Sequence[Planned]) -> None:
-        record_gpu_memory([p.vc.name for p in wave if p.vc.name in servers], "end")  # after every part it ran
-        stopping = [(p.vc.name, servers[p.vc.name]) for p in wave if p.vc.name in servers]
+        names = [p.vc.name for p in wave if p.vc.name in servers]
+        record_gpu_memory(names, "end")  # after every part it ran
+        stopping = [(name, servers[name]) for name in names]
         with ThreadPoolExecutor(max_workers=max(1, len(stopping))) as pool:  # together: each may take its grace
             list(pool.map(lambda item: item[1].stop(), stopping))
         for name, s in stopping:

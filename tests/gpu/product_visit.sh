@@ -22,11 +22,13 @@ source tests/gpu/visit_prepare.sh  # log(), step 1 and the environment
 
 budget_s="${QS_PRODUCT_BUDGET_S:-$(( ${QS_DEVICE_LEFT_S:-1380} - ($(date +%s) - VISIT_T0) ))}"
 BUDGET_T0=$(date +%s)
+left_s() { echo $(( budget_s - ($(date +%s) - BUDGET_T0) )); }
 # 1b. kernels alone while the GPU is idle (QS_KERNELS, default lookup: issue #18's 20 us; none to skip)
-if [ "${QS_KERNELS:-lookup}" != none ]; then
+KERNELS="${QS_KERNELS:-lookup}"
+if [ "$KERNELS" != none ]; then
   mkdir -p /tmp/product-out
-  timeout 180 python3 bench/kernels.py --only "${QS_KERNELS:-lookup}" --out /tmp/product-out > /tmp/product-out/kernels.log 2>&1
-  log "kernels ${QS_KERNELS:-lookup} exit $?: $(tail -n 1 /tmp/product-out/kernels.log)"
+  timeout 180 python3 bench/kernels.py --only "$KERNELS" --out /tmp/product-out > /tmp/product-out/kernels.log 2>&1
+  log "kernels $KERNELS exit $?: $(tail -n 1 /tmp/product-out/kernels.log)"
 fi
 # shares of the configs, one after another, each with what the ones before it left (visit 13 ran two by hand)
 IFS=';' read -r -a shares <<< "${QS_PRODUCT_PLANS:-}"
@@ -36,24 +38,26 @@ for share in "${shares[@]}"; do
   n=$((n + 1))
   out=/tmp/product-out; plog=/tmp/product.log
   [ "$n" -gt 1 ] && out=/tmp/product-out-$n && plog=/tmp/product-$n.log
-  left_s=$(( budget_s - ($(date +%s) - BUDGET_T0) ))
-  log "2.$n product plans ${share:-(all)} (log $plog), budget $left_s s"
+  left=$(left_s)
+  log "2.$n product plans ${share:-(all)} (log $plog), budget $left s"
   mkdir -p "$out"
   plans=()
   [ -n "$share" ] && plans=(--plans "$share")
   python3 bench/gpu/product_visit.py "$out" --site "$SITE" --patched-site "$PATCHED_SITE" \
-    --budget-s "$left_s" "${plans[@]}" > "$plog" 2>&1
+    --budget-s "$left" "${plans[@]}" > "$plog" 2>&1
   log "product exit $?: $(tail -n 1 "$plog")"
 done
 TESTS="${QS_GPU_TESTS:-none}"
-left_s=$(( budget_s - ($(date +%s) - BUDGET_T0) ))
-limit_s=$(( left_s < ${QS_VISIT_TESTS_LIMIT_S:-300} ? left_s : ${QS_VISIT_TESTS_LIMIT_S:-300} ))
-if [ "$TESTS" != none ] && [ "$limit_s" -gt 30 ]; then
-  log "3. GPU tests: $TESTS within $limit_s s (log /tmp/visit-tests.log)"
-  QS_GPU_TESTS="$TESTS" QS_GPU_RESULTS=/tmp/visit-tests QS_GPU_WORK=/tmp/visit-tests-work \
-    QS_GPU_PYTEST_LIMIT_S="$limit_s" bash tests/gpu/run_on_device.sh > /tmp/visit-tests.log 2>&1
-  log "GPU tests exit $?: $(tail -n 1 /tmp/visit-tests.log)"
-elif [ "$TESTS" != none ]; then
-  log "3. GPU tests skipped: $left_s s left"
+if [ "$TESTS" != none ]; then
+  left=$(left_s) cap="${QS_VISIT_TESTS_LIMIT_S:-300}"
+  limit_s=$(( left < cap ? left : cap ))
+  if [ "$limit_s" -gt 30 ]; then
+    log "3. GPU tests: $TESTS within $limit_s s (log /tmp/visit-tests.log)"
+    QS_GPU_TESTS="$TESTS" QS_GPU_RESULTS=/tmp/visit-tests QS_GPU_WORK=/tmp/visit-tests-work \
+      QS_GPU_PYTEST_LIMIT_S="$limit_s" bash tests/gpu/run_on_device.sh > /tmp/visit-tests.log 2>&1
+    log "GPU tests exit $?: $(tail -n 1 /tmp/visit-tests.log)"
+  else
+    log "3. GPU tests skipped: $left s left"
+  fi
 fi
 echo "VISIT DONE"

@@ -297,6 +297,25 @@ def test_the_run_wires_boot_measure_stop_and_the_report(tmp_path, monkeypatch):
                     {}, None, [])["x: GPU memory fits a 24 GB card"]["passed"] is False
 
 
+def test_a_server_fits_the_card_with_the_shipped_weights_in_place_of_the_loaded_ones():
+    # a DFlash2 server on the scripted copy: 17.5 GiB loaded in two lines (target, bf16 drafter), shipped 15,000 MiB
+    server = {"gpu_process_mib": {"boot": 24_000, "end": 25_000}, "boot_facts": {"weights_gib": [14.5, 3.0]},
+              "shipped_weights_mib": 15_000}
+    fit = pv.card_fit(server)
+    assert fit["as_shipped_mib"] == 25_000 - 17_920 + 15_000 and fit["passed"]
+    assert not pv.card_fit({**server, "shipped_weights_mib": 18_000})["passed"]  # 25,080 MiB > 24,166
+    assert not pv.card_fit({**server, "boot_facts": {}})["passed"]  # no weights figure: the held figure alone
+    assert pv.card_fit({"boot_facts": {"weights_gib": 14.5}}) is None  # not read yet
+
+
+def test_the_shipped_weights_are_the_memory_models_for_each_plan(planned):
+    by_name = {p.vc.name: p.vc for p in planned}
+    assert pv.shipped_weights(by_name["single"]) == memory.weights_bytes("mtp", fast_variant=True)
+    assert pv.shipped_weights(by_name["batch"]) == memory.weights_bytes("off", fast_variant=False)
+    assert pv.shipped_weights(by_name["dflash2-vision"]) == memory.weights_bytes(
+        "dflash2", vision=True, vision_offload_gib=kn.VISION_OFFLOAD_GIB)
+
+
 def test_the_launcher_plans_serve_with_a_key_and_their_parts_send_it(planned, monkeypatch):
     keyed = {p.vc.name for p in planned if p.vc.api_key}
     assert keyed == {"single", "batch"}  # the soak's wrong- and missing-key kinds need a key set

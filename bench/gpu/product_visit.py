@@ -12,12 +12,14 @@ Order (what a budget cut leaves out last to first):
 2. per server, one at a time, the cheap checks (CHEAP): the pool in tokens from the log against the memory model,
    greedy answers (8 prompts x 512 tokens) against the designed chain and, within #18's group, token-identical
    across LOOKUP, DFLASH_TOKENS and no speculation (visit 9's answers), api_smoke;
-3. the expensive parts (EXPENSIVE_ORDER): the 25k-token quote at DFLASH_TOKENS=15/7 and LOOKUP=0, the longest
-   request each long-context plan takes, the 1,000-request soaks, labd_soak, the residue sweeps, retrieval at depth.
+3. the expensive parts (EXPENSIVE_ORDER): the 25k-token quote at DFLASH_TOKENS=15/7 and LOOKUP=0, the
+   1,000-request soaks, labd_soak, DFlash2's residue sweep, the longest request each long-context plan takes, the
+   CTX=huge residue sweep, retrieval at depth.
 Before the next wave boots, a wave's cheap parts keep that wave's boot in reserve, its expensive parts the boot and
 the cheap parts of the waves still to come. What does not fit is listed under `skipped` with why.
 Each server's GPU memory (its own processes, nvidia-smi's compute apps) is read once its wave is up and again
-after its parts, before it stops; the second must fit the 23.60 GiB a headless 24 GB card leaves (CARD_FREE).
+after its parts, before it stops; the second, with the weights it loaded swapped for the shipped ones (card_fit),
+must fit the 23.60 GiB a headless 24 GB card leaves (CARD_FREE).
 The launchers' plans are served with an API key (VISIT_API_KEY), which their parts send.
 
     python bench/gpu/product_visit.py OUT --site SITE --patched-site PATCHED [--budget-s S]
@@ -76,7 +78,9 @@ BOOT_S = {"first": 330, "later": 260}  # visit 9: four servers up after 313 s wi
 STOP_S = 30
 LIMITS = {"synth": 420, "prepare": 420, "drafter": 300, "boot": 600, "greedy": 240, "api": 240, "quote25k": 240,
           "max_request": 480, "soak": 200, "labd_soak": 240, "residue": 420, "retrieval": 480}
-ESTIMATES = {"greedy": 15, "api": 60, "quote25k": 60, "soak": 200, "labd_soak": 90, "residue": 240,
+# visit 13 took: greedy 7-10 s (mtp-huge 50), api 6-9, quote25k 11-15, soak 100, labd_soak 22, residue 155 (its
+# prompts are longer now)
+ESTIMATES = {"greedy": 15, "api": 20, "quote25k": 25, "soak": 130, "labd_soak": 40, "residue": 240,
              "retrieval": 420}
 MAX_REQUEST_TOK_S = 2500  # prefill rate the estimate of a max-length request assumes (no H200 figure at length)
 CHEAP = ("greedy", "api")  # the pool check reads the boot log: no request
@@ -148,10 +152,11 @@ NOT_TRIED = {
 # The expensive parts, in the order they run (within a wave: those of its servers).
 EXPENSIVE_ORDER: tuple[tuple[str, str], ...] = (
     ("dflash2-k15", "quote25k"), ("dflash2-lookup0", "quote25k"), ("dflash2", "quote25k"),
-    ("dflash2-huge", "max_request"), ("mtp-huge", "max_request"), ("dflash2-long", "max_request"),
     ("single", "soak"), ("batch", "soak"),
     ("dflash2-k15", "labd_soak"),
-    ("dflash2", "residue"), ("mtp-huge", "residue"),
+    ("dflash2", "residue"),
+    ("dflash2-huge", "max_request"), ("mtp-huge", "max_request"), ("dflash2-long", "max_request"),
+    ("mtp-huge", "residue"),
     ("mtp-huge", "retrieval"), ("batch-int4pth", "max_request"),
 )
 # greedy comparisons (reference, other): each pair token-identical or measured near-ties (smoke_lib.compare_greedy)
@@ -165,16 +170,44 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------- plans and memory (standard library)
 
 
-def card_pool(vc: VisitConfig) -> int:
-    """KV_MEM=auto of the config's plan on a headless 24 GB card, after the first start (single-user: the fast
-    variant; batch: the base requantization): what the plan's own `explain` prints as `KV_MEM=auto would pin`."""
+def shipped_weights(vc: VisitConfig) -> float:
+    """The GPU bytes of the weights a user serves with the config's plan, as the memory model counts them
+    (single-user: the fast variant; batch: the base requantization; the W4A16 DFlash2 drafter; VISION_OFFLOAD's
+    budget): the scripted servers load the prepared copy's int8 lm_head and MTP module and a bf16 drafter instead."""
     v = kn.Values.of(vc.mode, kn.resolve(vc.mode, {**vc.knobs, "KV_MEM": "auto"}))
     spec = v.spec if vc.mode == "single" else "off"
-    vision, offload = bool(v.vision), (v.vision_offload_gib if v.vision and v.vision_offload else None)
-    weights = memory.weights_bytes(spec, fast_variant=vc.mode == "single", vision=vision, vision_offload_gib=offload)
+    offload = v.vision_offload_gib if v.vision and v.vision_offload else None
+    return memory.weights_bytes(spec, fast_variant=vc.mode == "single", vision=bool(v.vision),
+                                vision_offload_gib=offload)
+
+
+def card_pool(vc: VisitConfig) -> int:
+    """KV_MEM=auto of the config's plan on a headless 24 GB card, after the first start, with the shipped weights:
+    what the plan's own `explain` prints as `KV_MEM=auto would pin`."""
+    vision = bool(kn.Values.of(vc.mode, kn.resolve(vc.mode, dict(vc.knobs))).vision)
     batched = memory.PREFILL_CHUNK if vc.mode == "single" else plan.VLLM_BATCHED_TOKENS
     encoder = memory.encoder_cache_bytes(batched, kn.VISION_IMAGE_TOKENS) if vision else 0
-    return memory.auto_kv_mem(CARD_FREE, weights, encoder_cache=encoder)
+    return memory.auto_kv_mem(CARD_FREE, shipped_weights(vc), encoder_cache=encoder)
+
+
+def card_fit(server: Mapping) -> dict | None:
+    """The server on a 24 GB card: its processes' GPU memory after its parts, with the weights it loaded (vLLM's
+    "Model loading took", the drafter's too) swapped for the shipped ones; None before that reading."""
+    held = (server.get("gpu_process_mib") or {}).get("end")
+    if held is None:
+        return None
+    loaded = (server.get("boot_facts") or {}).get("weights_gib")
+    loaded = sum(loaded) if isinstance(loaded, list) else loaded
+    shipped = server.get("shipped_weights_mib")
+    out = {"held_mib": held, "card_free_mib": round(CARD_FREE / MiB), **server["gpu_process_mib"]}
+    if isinstance(loaded, int | float) and shipped is not None:
+        out.update(loaded_weights_mib=round(loaded * 1024), shipped_weights_mib=shipped,
+                   as_shipped_mib=round(held - loaded * 1024 + shipped),
+                   rule="held - loaded weights + shipped weights <= card_free")
+    else:
+        out["rule"] = "held <= card_free (no weights figure in the log)"
+    out["passed"] = out.get("as_shipped_mib", held) <= CARD_FREE / MiB
+    return out
 
 
 def knobs_for(vc: VisitConfig, drafter: Path) -> dict[str, str]:
@@ -549,11 +582,9 @@ def judge(data: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], design,
     expected = [sm.expected_chain(design, q["ids"]) for q in prompts] if design is not None else None
     for name, server in data["servers"].items():
         checks[f"{name}: boots"] = {"passed": server["state"] == "up", "state": server["state"]}
-        held = (server.get("gpu_process_mib") or {}).get("end")
-        if held is not None:  # the whole server as a 24 GB card would hold it: weights, pool, graphs, activations
-            checks[f"{name}: GPU memory fits a 24 GB card"] = {
-                "passed": held <= CARD_FREE / MiB, "held_mib": held, "card_free_mib": round(CARD_FREE / MiB),
-                **server["gpu_process_mib"]}
+        fit = card_fit(server)  # the whole server as a 24 GB card would hold it: weights, pool, graphs, activations
+        if fit is not None:
+            checks[f"{name}: GPU memory fits a 24 GB card"] = fit
         m = meas.get(name, {})
         pool = m.get("pool") or {}
         if "passed" in pool:
@@ -659,7 +690,8 @@ def run(args: argparse.Namespace) -> int:
                                                      server_log(out, p.vc.name))
             rec.data["servers"][p.vc.name] = {"cmd": f"PYTHONPATH={s.pythonpath} {p.cmd.shell()}", "port": p.port,
                                               "what": p.vc.what, "issues": list(p.vc.issues),
-                                              "memory_estimate_gib": memory_gib(p)}
+                                              "memory_estimate_gib": memory_gib(p),
+                                              "shipped_weights_mib": round(shipped_weights(p.vc) / MiB)}
             log(f"{p.vc.name}: starting on port {p.port}")
             s.start()
         rec.save()

@@ -4,14 +4,15 @@
 #   setsid nohup bash tests/gpu/product_visit.sh > /tmp/visit.log 2>&1 < /dev/null &
 # 1. the patch series on a copy of vllm in $PATCHED_SITE ($SITE stays stock; visit_prepare.sh);
 # 1b. bench/kernels.py --only $QS_KERNELS (default lookup; none skips it) into /tmp/product-out, GPU still idle;
+# 1c. (QS_GPU_TESTS, default none) those GPU tests, also before any server holds the GPU, within what is left of the
+#    budget and at most $QS_VISIT_TESTS_LIMIT_S seconds (default 300), results in /tmp/visit-tests, log
+#    /tmp/visit-tests.log;
 # 2. bench/gpu/product_visit.py (the checkpoint, its prepared copy and the drafter, then the waves; only the configs
 #    QS_PRODUCT_PLANS names, comma-separated, when set; shares separated by ';' run one after another, the second
 #    into /tmp/product-out-2 with log /tmp/product-2.log, and so on, each with what is left) within
 #    $QS_PRODUCT_BUDGET_S seconds (default: what is left of $QS_DEVICE_LEFT_S, 1,380 s = 30 device minutes less ~5
 #    for staging and ~2 for packing, when this script started); nothing else uses the GPU meanwhile;
-# 3. (QS_GPU_TESTS, default none) those GPU tests once the servers are gone, within what is left of the budget and
-#    at most $QS_VISIT_TESTS_LIMIT_S seconds (default 300), results in /tmp/visit-tests, log /tmp/visit-tests.log;
-# 4. the line `VISIT DONE`. tests/gpu/pack_product_visit.sh OUT packs whatever is there so far.
+# 3. the line `VISIT DONE`. tests/gpu/pack_product_visit.sh OUT packs whatever is there so far.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 1
@@ -30,6 +31,19 @@ if [ "$KERNELS" != none ]; then
   timeout 180 python3 bench/kernels.py --only "$KERNELS" --out /tmp/product-out > /tmp/product-out/kernels.log 2>&1
   log "kernels $KERNELS exit $?: $(tail -n 1 /tmp/product-out/kernels.log)"
 fi
+TESTS="${QS_GPU_TESTS:-none}"
+if [ "$TESTS" != none ]; then
+  left=$(left_s) cap="${QS_VISIT_TESTS_LIMIT_S:-300}"
+  limit_s=$(( left < cap ? left : cap ))
+  if [ "$limit_s" -gt 30 ]; then
+    log "1c. GPU tests: $TESTS within $limit_s s (log /tmp/visit-tests.log)"
+    QS_GPU_TESTS="$TESTS" QS_GPU_RESULTS=/tmp/visit-tests QS_GPU_WORK=/tmp/visit-tests-work \
+      QS_GPU_PYTEST_LIMIT_S="$limit_s" bash tests/gpu/run_on_device.sh > /tmp/visit-tests.log 2>&1
+    log "GPU tests exit $?: $(tail -n 1 /tmp/visit-tests.log)"
+  else
+    log "1c. GPU tests skipped: $left s left"
+  fi
+fi
 # shares of the configs, one after another, each with what the ones before it left (visit 13 ran two by hand)
 IFS=';' read -r -a shares <<< "${QS_PRODUCT_PLANS:-}"
 [ ${#shares[@]} -eq 0 ] && shares=("")
@@ -47,17 +61,4 @@ for share in "${shares[@]}"; do
     --budget-s "$left" "${plans[@]}" > "$plog" 2>&1
   log "product exit $?: $(tail -n 1 "$plog")"
 done
-TESTS="${QS_GPU_TESTS:-none}"
-if [ "$TESTS" != none ]; then
-  left=$(left_s) cap="${QS_VISIT_TESTS_LIMIT_S:-300}"
-  limit_s=$(( left < cap ? left : cap ))
-  if [ "$limit_s" -gt 30 ]; then
-    log "3. GPU tests: $TESTS within $limit_s s (log /tmp/visit-tests.log)"
-    QS_GPU_TESTS="$TESTS" QS_GPU_RESULTS=/tmp/visit-tests QS_GPU_WORK=/tmp/visit-tests-work \
-      QS_GPU_PYTEST_LIMIT_S="$limit_s" bash tests/gpu/run_on_device.sh > /tmp/visit-tests.log 2>&1
-    log "GPU tests exit $?: $(tail -n 1 /tmp/visit-tests.log)"
-  else
-    log "3. GPU tests skipped: $left s left"
-  fi
-fi
 echo "VISIT DONE"

@@ -11,7 +11,8 @@ can hold back every delta) or a json_schema answer runs out of tokens inside a w
 allows, the check asks again under a structured-output constraint that only visible text satisfies
 (`VISIBLE_TEXT`, `COMPACT_TOWN`, `VISIBLE_ANTHROPIC`) and says so in its detail; real weights answer the
 plain request, so there the checks are the plain ones. SKIP is left for a server without a tool parser, and for
-the image request on a server without the vision tower (VISION=0 serves --language-model-only).
+the image requests (OpenAI image_url, Anthropic image block) on a server without the vision tower (VISION=0 serves
+--language-model-only).
 """
 
 from __future__ import annotations
@@ -273,12 +274,29 @@ def check_image(api: Api) -> str:
     return f"a 64x64 PNG data URL became {image_tokens} prompt tokens (markers included); answered"
 
 
+def check_anthropic_image(api: Api) -> str:
+    """/v1/messages with a base64 image block (vLLM 0.28.0 turns it into an image_url part)."""
+    data = png_data_url().partition(",")[2]
+    question = {"type": "text", "text": "What colours does this image have?"}
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+    status, out = api.post("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [image, question]}]})
+    if status == 400 and NO_TOWER in json.dumps(out):
+        raise Inconclusive("the server runs without the vision tower (VISION=0: --language-model-only)")
+    assert status == 200, f"HTTP {status}: {json.dumps(out)[:300]}"
+    status, text_only = api.post("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [question]}]})
+    assert status == 200, text_only
+    image_tokens = out["usage"]["input_tokens"] - text_only["usage"]["input_tokens"]
+    assert image_tokens > 2, f"the image block added {image_tokens} input tokens: it was not expanded into image tokens"
+    assert out["usage"]["output_tokens"] > 0, out["usage"]
+    return f"a 64x64 PNG image block became {image_tokens} input tokens (markers included); answered"
+
+
 CHECKS: list[tuple[str, Callable[[Api], str]]] = [
     ("chat", check_chat), ("logprobs", check_logprobs), ("prompt_logprobs", check_prompt_logprobs),
     ("n", check_n), ("stop", check_stop), ("seed", check_seed), ("structured_output", check_structured),
     ("penalties", check_penalties), ("streaming", check_streaming), ("tool_call", check_tool_call),
     ("anthropic_messages", check_anthropic), ("anthropic_streaming", check_anthropic_stream),
-    ("image", check_image),
+    ("image", check_image), ("anthropic_image", check_anthropic_image),
 ]
 
 

@@ -493,7 +493,8 @@ def has_message(body: str) -> bool:
 
 
 def metrics_state(client: serving.Client) -> dict:
-    """Seats in use (running + waiting requests) and KV blocks in use, from vLLM's /metrics."""
+    """Seats in use (running + waiting requests), KV blocks in use and the preemptions so far (None when the page
+    has no such counter), from vLLM's /metrics."""
     samples = serving.parse_prometheus(client.get_text("/metrics", timeout_s=30))
 
     def total(name: str) -> float:
@@ -505,8 +506,10 @@ def metrics_state(client: serving.Client) -> dict:
     usage = total("vllm:kv_cache_usage_perc")
     blocks = [int(s.labels["num_gpu_blocks"]) for s in samples
               if s.name == "vllm:cache_config_info" and s.labels.get("num_gpu_blocks", "").isdigit()]
+    preempted = [s.value for s in samples if s.name in ("vllm:num_preemptions", "vllm:num_preemptions_total")]
     state = {"running": total("vllm:num_requests_running"), "waiting": total("vllm:num_requests_waiting"),
-             "kv_cache_usage": usage, "num_gpu_blocks": blocks[0] if blocks else None}
+             "kv_cache_usage": usage, "num_gpu_blocks": blocks[0] if blocks else None,
+             "preemptions": sum(preempted) if preempted else None}
     state["seats_in_use"] = int(state["running"] + state["waiting"])
     state["kv_blocks_in_use"] = round(usage * blocks[0]) if blocks else None
     return state
@@ -791,6 +794,9 @@ def report(facts: ServerFacts, base: str, options: Options, waves: list[Wave], o
         "kv_blocks": {"before": before["kv_blocks_in_use"], "after": None if after is None else after["kv_blocks_in_use"],
                       "num_gpu_blocks": before["num_gpu_blocks"], "usage_before": before["kv_cache_usage"],
                       "usage_after": None if after is None else after["kv_cache_usage"]},
+        # recorded, not judged: a full pool preempts (and recomputes) requests, which is slow but not a fault
+        "preemptions": None if after is None or after.get("preemptions") is None or before.get("preemptions") is None
+        else after["preemptions"] - before["preemptions"],
         "rss": {**rss, "drift": rss_drift},
         "gpu_memory_mib": {**gpu, "drift_mib": None if not gpu_start or not gpu_end else sum(gpu_end) - sum(gpu_start)},
         "criteria": criteria, "passed": all(c["passed"] for c in criteria.values()),
@@ -811,7 +817,11 @@ def markdown(result: dict) -> str:
     lines += ["", "| criterion | value | result |", "|---|---|---|"]
     for name, c in result["criteria"].items():
         lines.append(f"| {name} ({c['rule']}) | {c['value']} | {'PASS' if c['passed'] else 'FAIL'} |")
-    return "\n".join(lines) + "\n"
+    extra = [f"{result['not_run']} of {result['n']} requests not run (the time budget ran out)"] if result["not_run"] else []
+    if result.get("preemptions") is not None:
+        extra.append(f"{result['preemptions']:g} requests preempted during the soak (vllm:num_preemptions; recorded, "
+                     "not judged)")
+    return "\n".join(lines + ([""] + extra if extra else [])) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

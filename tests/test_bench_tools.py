@@ -4,6 +4,7 @@ read of the server's engine config from /server_info (with its noted fallback)."
 
 from __future__ import annotations
 
+import base64
 import http.server
 import json
 import subprocess
@@ -74,7 +75,7 @@ def test_api_smoke_without_server_fails_every_check():
     import api_smoke
 
     res = run(sys.executable, str(BENCH / "api_smoke.py"), "--url", "http://127.0.0.1:9")
-    assert res.returncode == len(api_smoke.CHECKS) == 13  # 13: the image request (issue #23)
+    assert res.returncode == len(api_smoke.CHECKS) == 14  # the OpenAI and Anthropic image requests (#23)
     assert res.stdout.startswith("FAIL server: no usable server at http://127.0.0.1:9")
 
 
@@ -322,3 +323,27 @@ def test_api_smoke_counts_only_failures_in_its_exit_code(monkeypatch, tmp_path, 
     checks = json.loads((tmp_path / "api.json").read_text())["checks"]
     assert {k: (v["status"], v["passed"]) for k, v in checks.items()} == {
         "a": ("pass", True), "b": ("skip", None), "c": ("fail", False), "d": ("skip", None)}
+
+
+def test_api_smoke_sends_an_anthropic_image_block_and_counts_its_tokens():
+    api_smoke, api = _smoke()
+    sent = []
+
+    def post(path, body, with_tower=True):
+        sent.append((path, body))
+        blocks = body["messages"][0]["content"]
+        if not with_tower and blocks[0]["type"] == "image":
+            return 400, {"error": {"message": "At most 0 image(s) may be provided in one prompt."}}
+        return 200, {"usage": {"input_tokens": 20 + 66 * (blocks[0]["type"] == "image"), "output_tokens": 8}}
+
+    api.post = post
+    assert api_smoke.check_anthropic_image(api).startswith("a 64x64 PNG image block became 66 input tokens")
+    image = sent[0][1]["messages"][0]["content"][0]
+    assert sent[0][0] == "/v1/messages" and image["source"]["media_type"] == "image/png"
+    assert base64.b64decode(image["source"]["data"]).startswith(b"\x89PNG")
+    api.post = lambda path, body: post(path, body, with_tower=False)
+    with pytest.raises(api_smoke.Inconclusive):
+        api_smoke.check_anthropic_image(api)
+    api.post = lambda path, body: (200, {"usage": {"input_tokens": 20, "output_tokens": 8}})  # the image was dropped
+    with pytest.raises(AssertionError, match="not expanded"):
+        api_smoke.check_anthropic_image(api)

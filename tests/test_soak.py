@@ -4,6 +4,7 @@ the criterion that names it; the request mix is seeded and bounded; only loopbac
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -233,12 +234,22 @@ def test_the_gpu_visit_runner_bounds_the_soak_by_its_budget(fake, tmp_path):
     out = tmp_path / "soak-batch.json"
     out.write_text('{"stale": true}')
     rc = soak_visit.main(["--url", server.url, "--out", str(out), "--mode", "batch", "--api-key", "k", "--n", "60",
-                          "--budget-s", "100", "--server-log", str(server.log)])
+                          "--budget-s", "200", "--server-log", str(server.log)])
     result = json.loads(out.read_text())
     assert rc == 0 and result["mode"] == "batch" and result["passed"] and "stale" not in result
     assert out.with_suffix(".md").read_text().startswith("| kind |")
     argv = soak_visit.soak_argv(soak_visit.argparse.Namespace(
-        url="u", n=1000, seed=0, budget_s=180, api_key=None, pid=None, server_log=None), out)
-    assert argv[argv.index("--max-seconds") + 1] == "110" and "--api-key" not in argv
+        url="u", n=1000, seed=0, budget_s=360, api_key=None, pid=None, server_log=None), out)
+    assert argv[argv.index("--max-seconds") + 1] == "200" and "--api-key" not in argv
+    assert argv[argv.index("--request-timeout") + 1] == "120"
     with pytest.raises(SystemExit, match="need >= 30"):
-        soak_visit.main(["--url", server.url, "--out", str(out), "--budget-s", "90"])
+        soak_visit.main(["--url", server.url, "--out", str(out), "--budget-s", "180"])
+
+
+def test_the_preemptions_during_the_soak_are_read_from_the_metrics_page():
+    page = ('vllm:num_requests_running{engine="0"} 0\nvllm:num_requests_waiting{engine="0"} 0\n'
+            'vllm:kv_cache_usage_perc{engine="0"} 0.0\n'
+            'vllm:cache_config_info{engine="0",num_gpu_blocks="237"} 1\n')
+    client = argparse.Namespace(get_text=lambda path, timeout_s: page + 'vllm:num_preemptions_total{engine="0"} 7\n')
+    assert soak.metrics_state(client)["preemptions"] == 7
+    assert soak.metrics_state(argparse.Namespace(get_text=lambda path, timeout_s: page))["preemptions"] is None

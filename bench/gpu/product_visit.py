@@ -77,15 +77,15 @@ BASELINE_SERVER = "scripted-patched-plain"
 BOOT_S = {"first": 330, "later": 260}  # visit 9: four servers up after 313 s with Triton cold
 STOP_S = 30
 LIMITS = {"synth": 420, "prepare": 420, "drafter": 300, "boot": 600, "greedy": 240, "api": 240, "quote25k": 240,
-          "max_request": 480, "soak": 200, "labd_soak": 240, "residue": 420, "retrieval": 480}
+          "max_request": 480, "soak": 380, "labd_soak": 240, "residue": 420, "retrieval": 480}
 # visit 13 took: greedy 7-10 s (mtp-huge 50), api 6-9, quote25k 11-15, soak 100, labd_soak 22, residue 155 (its
 # prompts are longer now)
-ESTIMATES = {"greedy": 15, "api": 20, "quote25k": 25, "soak": 130, "labd_soak": 40, "residue": 240,
+ESTIMATES = {"greedy": 15, "api": 20, "quote25k": 25, "soak": 300, "labd_soak": 40, "residue": 240,
              "retrieval": 420}
 MAX_REQUEST_TOK_S = 2500  # prefill rate the estimate of a max-length request assumes (no H200 figure at length)
 CHEAP = ("greedy", "api")  # the pool check reads the boot log: no request
 QUOTE_CTX = 25_000
-SOAK_BUDGET_S = 180
+SOAK_BUDGET_S = 360  # soak_visit's default: 1,000 requests, 120 s timeouts (visit 14 ran 540-871 in 180 s)
 VISIT_API_KEY = "product-visit-key"  # loopback only; a fixed key, so a report's commands can be rerun as they are
 SEGMENT = 64  # the max-length request's quote and answer (retrieval_depth's default segment)
 DEFAULT_BUDGET_S = 1200  # ~20 minutes of a 30-minute visit after staging

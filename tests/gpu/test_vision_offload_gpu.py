@@ -1,7 +1,8 @@
 """VISION_OFFLOAD=1 on a CUDA GPU (engine/vision_offload.py, patches/vision-offload.patch): the real-size vision tower
 (model.VISION_CONFIG: 27 blocks, BF16, seeded random weights) built from vLLM 0.28.0's own Qwen3_VisionTransformer
 encodes one 8192-patch image with the whole tower on the card, then again after `offload_after_load` (the patch's
-hook) at the launcher's default budget. Written, not run yet (no GPU this session):
+hook) at the launcher's default budget. First run: visit 14 (2026-12-04, bench/results/vision-offload-h200.json):
+bit-exact, 37.9 -> 50.8 ms median encode.
 
     pytest -m gpu tests/gpu/test_vision_offload_gpu.py
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 from datetime import UTC, datetime
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +25,7 @@ import smoke_lib as lib
 import torch
 
 from bench import serving
-from qwen_serving import knobs, model
+from qwen_serving import knobs, model, patchset
 from qwen_serving.engine import vision_offload
 from tests.helpers import vision_tower
 
@@ -65,8 +67,9 @@ def test_offloaded_encode_equals_the_resident_one(vllm_world, monkeypatch):
     after = torch.cuda.memory_allocated()
     offloaded, offloaded_ms, offloaded_peak = encode_timed(tower, pixels)
     record = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "vllm": vllm.__version__, "grid_thw": list(GRID),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "gpu": lib.gpu_description(),
+        "torch": torch.__version__, "vllm": vllm.__version__, "vllm_dir": str(Path(vllm.__file__).parent),
+        "patch_series": [p.name for p in patchset.read_series(patchset.DEFAULT_SERIES)], "grid_thw": list(GRID),
         "budget_gib": knobs.VISION_OFFLOAD_GIB, "kept": list(done.kept), "streamed": len(done.streamed),
         "host_mib": done.host_bytes / MiB, "pinned": done.pinned, "freed_mib": (before - after) / MiB,
         "peak_above_baseline_mib": {"whole": whole_peak / MiB, "offloaded": offloaded_peak / MiB},

@@ -3,7 +3,7 @@ single-user and batch plans that never booted on a GPU (DFlash2 at 7 and 15 draf
 CTX=long, CTX=huge, VISION=1, the two launchers' defaults), each built by the product's plan
 (bench.fullbench.server_command: `python -m qwen_serving.plan`'s argv) with its KV pool pinned to what the plan
 leaves on a 24 GB card (the plan's own pin for SPEC=dflash2, else the memory model's KV_MEM=auto on a headless
-24 GB card). Not run on a GPU yet.
+24 GB card). Run in visits 13 and 14 (bench/README.md, "Product plans").
 
 Order (what a budget cut leaves out last to first):
 1. every config boots (a boot is a Must-show): CONFIGS in priority order, packed first-fit into waves whose memory

@@ -83,7 +83,7 @@ LIMITS = {"synth": 420, "prepare": 420, "drafter": 300, "boot": 600, "greedy": 2
 ESTIMATES = {"greedy": 15, "api": 20, "quote25k": 25, "soak": 300, "labd_soak": 40, "residue": 240,
              "retrieval": 420}
 # prefill rate the estimate of a max-length request assumes: visit 14's 245,696-token prompt (DFlash2, CTX=huge,
-# int4 KV on Triton) had not finished after 317 s, so below 775 tok/s; 500 is a guess under that bound
+# int4 KV on Triton) had not finished after 317 s (below 775 tok/s, whatever held it); 500 is a guess under that
 MAX_REQUEST_TOK_S = 500
 CHEAP = ("greedy", "api")  # the pool check reads the boot log: no request
 QUOTE_CTX = 25_000

@@ -22,10 +22,12 @@ What it shows on the scripted checkpoint: its greedy answer is the chain after t
 (the KV cache moves the logits by ~0.01, never the argmax), so a pass says the server takes a prompt that long under
 its KV mode and answers it intact (no refusal, crash or damaged output from a broken cache, position or prefix path);
 it does not show that attention found the quote. That needs a needle in a real model's text (not built here).
-Not run on a GPU yet.
+Not run to the end on a GPU yet (visit 14's 245,696-token request was cut at 317 s, the server silent meanwhile).
 
 Report: OUT/retrieval-TAG.json (date, machine, server, settings; per depth the segment's position, tokens reproduced,
-verbatim or not, first divergence; the follow-up), rewritten atomically after every request. Resumable: an existing
+verbatim or not, first divergence; the follow-up), rewritten atomically after every request; beside it
+OUT/retrieval-TAG-progress.jsonl, one /metrics read (running and waiting requests, KV cache use, prompt and generated
+token counters) every --watch-every seconds while a request runs, so a request cut short still shows how far it got. Resumable: an existing
 report of the same settings and server is continued, a finished depth (or follow-up) not re-run unless --force.
 Exit 0 when every depth run and both follow-up turns came back verbatim, 1 otherwise (or a request failed), 2 on bad
 input or a report of another run, 3 when the server cannot be used.
@@ -114,6 +116,12 @@ def followup_cases(design, args: argparse.Namespace) -> tuple[vb.Case, vb.Case, 
             vb.Case("followup-cached", follow, segment, len(segment)), built["quoted_span"][0])
 
 
+def progress_path(report: Path) -> Path:
+    """Beside the report: the /metrics reads taken while each request ran (serving.MetricsWatch), one JSON line
+    each, kept even when the run is killed before its report says anything of that request."""
+    return report.with_name(report.stem + "-progress.jsonl")
+
+
 def depth_row(depth: int, placed_at: int, sent: int, figures: dict) -> dict:
     reproduced = figures["common_prefix"]
     return {"depth": depth, "placed_at": placed_at, "prompt_tokens_sent": sent, "segment_tokens": figures["document_len"],
@@ -178,6 +186,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--followup-prefix", type=int, default=FOLLOWUP_PREFIX,
                    help="the follow-up turn's cached prefix in tokens; 0 skips the follow-up (default %(default)s)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one request may take (default %(default)s)")
+    p.add_argument("--watch-every", type=float, default=10.0, help="seconds between the /metrics reads taken while a "
+                   "request runs, written to OUT/retrieval-TAG-progress.jsonl (default %(default)s)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--force", action="store_true", help="start the report of this tag again")
     args = p.parse_args(argv)
@@ -260,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(opened, int):
         return opened
     path, client, report, design = opened
+    args.report_path = path
     model, max_len = report["server"]["model"]["id"], report["server"]["model"]["max_model_len"]
     run_id = secrets.token_hex(4)  # a new salt per run: nothing earlier answers a cold request from the cache
     todo = [d for d in args.depths if "verbatim" not in report["depths"].get(str(d), {})]
@@ -276,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         case, placed_at = depth_case(design, args, depth)
         try:
-            _, figures, page = vb.ask_measured(client, model, case, salt=f"{args.tag}-{run_id}-d{depth}",
-                                               ignore_eos=True, before=page, timeout_s=args.timeout)
+            with serving.MetricsWatch(client, progress_path(path), f"depth {depth}", args.watch_every):
+                _, figures, page = vb.ask_measured(client, model, case, salt=f"{args.tag}-{run_id}-d{depth}",
+                                                   ignore_eos=True, before=page, timeout_s=args.timeout)
         except (OSError, ValueError) as err:
             page = None
             report["errors"].append({"request": f"depth {depth}", "error": str(err)})
@@ -317,8 +329,9 @@ def run_followup(client: serving.Client, model: str, design, args: argparse.Name
     turns, page = [], None
     try:
         for case in (cold, cached):
-            _, figures, page = vb.ask_measured(client, model, case, salt=salt, ignore_eos=True, before=page,
-                                               timeout_s=args.timeout)
+            with serving.MetricsWatch(client, progress_path(args.report_path), case.name, args.watch_every):
+                _, figures, page = vb.ask_measured(client, model, case, salt=salt, ignore_eos=True, before=page,
+                                                   timeout_s=args.timeout)
             turns.append(figures)
     except (OSError, ValueError) as err:
         errors.append({"request": "follow-up", "error": str(err)})

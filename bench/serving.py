@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -199,6 +200,46 @@ class Progress:
         elapsed = time.monotonic() - self.started
         self.stream.write(f"\r{self.label:<11} [{bar}] {self.done}/{self.total} {elapsed:5.0f} s {extra}")
         self.stream.flush()
+
+
+class MetricsWatch:
+    """While one long request runs: every `every_s` one /metrics read, appended to `path` as a JSON line (seconds
+    since the start, the summed WATCHED values, or the error), flushed each time, so a run that is killed midway
+    still says how far the server got. A context manager; the thread is a daemon."""
+
+    WATCHED = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+               "kv_cache_usage": "vllm:kv_cache_usage_perc", "prompt_tokens": "vllm:prompt_tokens_total",
+               "generation_tokens": "vllm:generation_tokens_total"}
+
+    def __init__(self, client: Client, path: Path, label: str, every_s: float = 10.0):
+        self.client, self.path, self.label, self.every_s = client, Path(path), label, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"metrics-watch-{label}", daemon=True)
+
+    def __enter__(self) -> MetricsWatch:
+        self.started = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def read(self) -> dict:
+        line: dict[str, Any] = {"label": self.label, "t_s": round(time.monotonic() - self.started, 1)}
+        try:
+            samples = parse_prometheus(self.client.get_text("/metrics", timeout_s=min(5.0, self.every_s)))
+        except (OSError, ValueError) as err:
+            return {**line, "error": f"{type(err).__name__}: {err}"[:300]}
+        for key, name in self.WATCHED.items():
+            values = [x.value for x in samples if x.name == name]
+            line[key] = sum(values) if values else None
+        return line
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            with open(self.path, "a") as out:
+                out.write(json.dumps(self.read()) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------

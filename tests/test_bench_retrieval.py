@@ -184,3 +184,13 @@ def test_arguments_are_checked(design, tmp_path):
 def test_no_server_is_a_clear_error(design, tmp_path, capsys):
     assert rd.main(["t", "--url", "http://127.0.0.1:9", "--scripted", str(design), "--out", str(tmp_path)]) == 3
     assert "no usable vLLM server" in capsys.readouterr().err and not (tmp_path / "retrieval-t.json").exists()
+
+
+def test_the_metrics_are_read_while_each_request_runs_into_a_file_beside_the_report(design, tmp_path):
+    with FakeVllm("--design", design, "--max-model-len", 3000, "--chunk-sleep", 0.002) as server:
+        rc, report = run(server, design, tmp_path, "--depths", "256,1024", "--watch-every", "0.05")
+    assert rc == 0, report
+    lines = [json.loads(line) for line in (tmp_path / "retrieval-t-progress.jsonl").read_text().splitlines()]
+    assert {line["label"] for line in lines} <= {"depth 256", "depth 1024"} and lines
+    assert all("error" not in line and line["t_s"] > 0 for line in lines), lines[:3]
+    assert any(line["running"] == 1 for line in lines)  # read while the request was in the engine

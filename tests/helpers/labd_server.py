@@ -102,6 +102,7 @@ class LabdServer:
         self.corrupt_visit, self.corrupt_residue, self.corrupt_shape = corrupt_visit, corrupt_residue, corrupt_shape
         self.max_model_len, self.lose_from, self.fail_longer_than = max_model_len, lose_from, fail_longer_than
         self.lock = threading.Lock()
+        self.running = 0  # streams being answered: vllm:num_requests_running
         self.visits: dict[tuple, int] = {}
         self.blocks: set[int] = set()
         self.counters = dict.fromkeys(("prompt_tokens", "generation_tokens", "prefix_cache_queries",
@@ -182,6 +183,7 @@ class LabdServer:
                      for name, value in self.counters.items()]
         lines.append(f'vllm:cache_config_info{{block_size="{self.block_size}",enable_prefix_caching="True",'
                      'engine="0"} 1.0')
+        lines.append(f'vllm:num_requests_running{{engine="0",model_name="fake"}} {self.running}')
         return "\n".join(lines) + "\n"
 
     def text_of(self, ids: list[int]) -> str:
@@ -231,6 +233,15 @@ class LabdServer:
                 if server.fail_longer_than is not None and len(body["prompt"]) > server.fail_longer_than:
                     return send_json(self, {"error": {"message": "EngineCore encountered an issue", "code": 500}}, 500)
                 ids = server.complete(body)
+                with server.lock:
+                    server.running += 1
+                try:
+                    self._stream(ids, len(body["prompt"]))
+                finally:
+                    with server.lock:
+                        server.running -= 1
+
+            def _stream(self, ids: list[int], prompt_tokens: int) -> None:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Connection", "close")
@@ -243,8 +254,7 @@ class LabdServer:
                               "finish_reason": "length" if last else None}
                     self._event({"choices": [choice]})
                     time.sleep(server.chunk_sleep_s)  # a decode time for the rate figures
-                self._event({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
-                                                      "completion_tokens": len(ids)}})
+                self._event({"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids)}})
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
                 self.close_connection = True

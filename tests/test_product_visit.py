@@ -338,6 +338,24 @@ def test_the_launcher_plans_serve_with_a_key_and_their_parts_send_it(planned, mo
         assert soak[soak.index("--server-log") + 1] == str(pv.server_log(Path("/out"), name))
 
 
+def test_issue_22s_tools_run_on_the_single_user_plan_against_the_prepared_copy_and_the_batch_plan(planned, monkeypatch):
+    argvs = {}
+    monkeypatch.setattr(pv, "tool", lambda ctx, name, part, argv, report, timeout: argvs.setdefault(part, argv))
+    single = next(p for p in planned if p.vc.name == "single")
+    assert [part for name, part in pv.EXPENSIVE_ORDER if name == "single"][-3:] == ["quality", "real_rep", "prefill_ab"]
+    ctx = pv.Context(_args(), Path("/out"), {})
+    alone = pv.run_part(ctx, single, "http://127.0.0.1:1", "prefill_ab", 300)  # the batch plan is not up
+    assert not alone["passed"] and "batch" in alone["error"] and "prefill_ab" not in argvs
+    ctx.urls["batch"] = "http://127.0.0.1:2"
+    for part in ("quality", "real_rep", "prefill_ab"):
+        pv.run_part(ctx, single, "http://127.0.0.1:1", part, 300)
+        assert argvs[part][argvs[part].index("--api-key") + 1] == pv.VISIT_API_KEY, part
+    quality = argvs["quality"]
+    assert quality[quality.index("--ckpt") + 1] == str(_args().prepared_ckpt)  # the closed form of what is served
+    ab = argvs["prefill_ab"]
+    assert ab[ab.index("--a-url") + 1] == "http://127.0.0.1:1" and ab[ab.index("--b-url") + 1] == "http://127.0.0.1:2"
+
+
 def test_a_graph_figure_read_low_beside_other_boots_never_lowers_the_estimate(planned):
     seen = pv.memory_classes([(p, {"graph_capture_gib": -0.08}) for p in planned])
     assert all(pv.memory_gib(p, seen)["graphs"] == pytest.approx(pv.GRAPHS_GIB, abs=0.01) for p in planned)

@@ -323,3 +323,29 @@ def test_gpu_script_on_the_cpu(scripted_tiny, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["check_passed"] and data["elapsed_s"] > 0 and data["scripted"]["check"]["tokens"] == 120
     assert set(data["perplexity"]["texts"]) == set(qb.TEXT_FILES)
+
+
+def test_scripted_battery_on_the_prepared_copy_reads_its_closed_form_from_the_int8_tensors(scripted_tiny, tmp_path,
+                                                                                            capsys):
+    """The product visit runs the check against the single-user plan, which serves the prepared copy: the closed
+    form is then lm_head(norm(embed(t))) of its int8 tensors, dequantized as vLLM holds them."""
+    import shutil
+
+    import torch
+
+    from tests.helpers.tiny_checkpoint import run as prepare_step
+
+    torch.set_num_threads(1)
+    prepared = tmp_path / "prepared"
+    shutil.copytree(scripted_tiny, prepared)
+    assert prepare_step(prepared, "quant_lm_head") == 0 and prepare_step(prepared, "quant_embed") == 0
+    assert not list(prepared.glob("*.safetensors")) == list(scripted_tiny.glob("*.safetensors"))
+    args = ["--out", str(tmp_path), "--scripted-tokens", "200", "--scripted-walk", "101"]
+    server = reference_server(prepared)
+    assert _run(["p", *args, "--expect-scripted", str(prepared), "--url", server.url]) == 0, capsys.readouterr().err
+    # the raw checkpoint's closed form is another model's: the int8 rounding moves it
+    assert _run(["r", *args, "--expect-scripted", str(scripted_tiny), "--url", server.url]) in (0, 1)
+    server.shutdown()
+    ours = json.loads((tmp_path / "p-quality.json").read_text())["scripted"]["check"]
+    raw = json.loads((tmp_path / "r-quality.json").read_text())["scripted"]["check"]
+    assert ours["within_tolerance"] and ours["logprob_diff_rms"] < raw["logprob_diff_rms"]

@@ -77,11 +77,12 @@ BASELINE_SERVER = "scripted-patched-plain"
 BOOT_S = {"first": 330, "later": 260}  # visit 9: four servers up after 313 s with Triton cold
 STOP_S = 30
 LIMITS = {"synth": 420, "prepare": 420, "drafter": 300, "boot": 600, "greedy": 240, "api": 240, "quote25k": 240,
-          "max_request": 1200, "soak": 380, "labd_soak": 240, "residue": 420, "retrieval": 480}
+          "max_request": 1200, "soak": 380, "labd_soak": 240, "residue": 420, "retrieval": 480,
+          "quality": 120, "real_rep": 240, "prefill_ab": 300}
 # visit 13 took: greedy 7-10 s (mtp-huge 50), api 6-9, quote25k 11-15, soak 100, labd_soak 22, residue 155 (its
 # prompts are longer now)
 ESTIMATES = {"greedy": 15, "api": 20, "quote25k": 25, "soak": 300, "labd_soak": 40, "residue": 240,
-             "retrieval": 420}
+             "retrieval": 420, "quality": 60, "real_rep": 150, "prefill_ab": 180}
 # prefill rate the estimate of a max-length request assumes: visit 14's 245,696-token prompt (DFlash2, CTX=huge,
 # int4 KV on Triton) had not finished after 317 s (below 775 tok/s, whatever held it); 500 is a guess under that
 MAX_REQUEST_TOK_S = 500
@@ -155,12 +156,19 @@ NOT_TRIED = {
 EXPENSIVE_ORDER: tuple[tuple[str, str], ...] = (
     ("dflash2-k15", "quote25k"), ("dflash2-lookup0", "quote25k"), ("dflash2", "quote25k"),
     ("single", "soak"), ("batch", "soak"),
+    ("single", "quality"), ("single", "real_rep"), ("single", "prefill_ab"),
     ("dflash2-k15", "labd_soak"),
     ("dflash2", "residue"),
     ("dflash2-huge", "max_request"), ("mtp-huge", "max_request"), ("dflash2-long", "max_request"),
     ("mtp-huge", "residue"),
     ("mtp-huge", "retrieval"), ("batch-int4pth", "max_request"),
 )
+# issue #22's tools on the single-user launcher's plan: the quality battery's scripted check (the closed form read
+# from the prepared copy it serves: int8 lm_head and embed dequantized as vLLM holds them), real_rep, and prefill_ab
+# against the batch launcher's plan (W4A8 MLP and fp8 KV against W4A16 and bf16 KV)
+QUALITY_TAG = "product-h200"
+PREFILL_AB_LENS = "1024,4096"
+PREFILL_AB_OTHER = "batch"
 # greedy comparisons (reference, other): each pair token-identical or measured near-ties (smoke_lib.compare_greedy)
 IDENTITY = (("dflash2", "dflash2-lookup0"), ("dflash2", "dflash2-k15"), (BASELINE_SERVER, "dflash2"))
 
@@ -401,6 +409,7 @@ class Context:
     out: Path
     env: Mapping[str, str]
     prompts: list[dict] = field(default_factory=list)  # the greedy prompts (scripted_mtp's)
+    urls: dict[str, str] = field(default_factory=dict)  # the servers up now, by config name
 
 
 def tool(ctx: Context, name: str, part: str, argv: Sequence[str], report: Path, timeout: float) -> dict:
@@ -431,6 +440,16 @@ def summarize_tool(part: str, data: dict | None) -> dict | None:
         return {k: data.get(k) for k in ("passed", "criteria", "counts") if k in data}
     if part == "labd_soak":
         return {k: data.get(k) for k in ("passed", "summary") if k in data}
+    if part == "quality":
+        return {"check": (data.get("scripted") or {}).get("check"), "check_passed": data.get("check_passed")}
+    if part == "real_rep":
+        return data.get("summary")
+    if part == "prefill_ab":
+        return {"rounds": data.get("rounds"), "conditions": {c: {"a": (row.get("A") or {}).get("value"),
+                                                                 "b": (row.get("B") or {}).get("value"),
+                                                                 "b_vs_a": row.get("b_vs_a"),
+                                                                 "reproduced": row.get("reproduced")}
+                                                             for c, row in (data.get("conditions") or {}).items()}}
     return None
 
 
@@ -466,6 +485,22 @@ def run_part(ctx: Context, p: Planned, url: str, part: str, timeout: float) -> d
                                       "--depths", "8192", "--prompt-tokens", str(prompt), "--followup-prefix", "0",
                                       "--timeout", str(int(timeout)), "--out", str(out), "--force"],
                     out / f"retrieval-{name}-max.json", timeout)
+    if part == "quality":
+        report = out / f"{QUALITY_TAG}-quality.json"
+        return tool(ctx, name, part, ["bench/gpu/quality_scripted.py", "--url", url, "--ckpt", ckpt,
+                                      "--out", str(report), *keyed], report, timeout)
+    if part == "real_rep":
+        return tool(ctx, name, part, ["bench/repeats.py", "real-rep", QUALITY_TAG, "3", "--url", url, "--out", str(out),
+                                      "--harness-arg=--ignore-eos", *keyed], out / f"{QUALITY_TAG}-real-rep.json",
+                    timeout)
+    if part == "prefill_ab":
+        other = ctx.urls.get(PREFILL_AB_OTHER)
+        if other is None:
+            return {"rc": None, "passed": False, "report": None, "summary": None,
+                    "error": f"the {PREFILL_AB_OTHER} server, arm B, is not up"}
+        return tool(ctx, name, part, ["bench/repeats.py", "prefill-ab", QUALITY_TAG, "--a-url", url, "--b-url", other,
+                                      "--lens", PREFILL_AB_LENS, "--max-rounds", "3", "--out", str(out), *keyed],
+                    out / f"{QUALITY_TAG}-prefill-ab.json", timeout)
     if part == "retrieval":
         return tool(ctx, name, part, ["bench/retrieval_depth.py", name, "--url", url, "--scripted", ckpt,
                                       "--timeout", str(int(timeout)), "--out", str(out), "--force"],
@@ -593,7 +628,8 @@ def judge(data: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], design,
             checks[f"{name}: pool tokens = memory model"] = pool
         if name in traces and expected is not None:
             checks[f"{name}: greedy answers are the designed chain"] = sm.chain_check(traces[name], expected)
-        for part in ("api", "quote25k", "max_request", "soak", "labd_soak", "residue", "retrieval"):
+        for part in ("api", "quote25k", "max_request", "soak", "labd_soak", "residue", "retrieval", "quality",
+                     "real_rep", "prefill_ab"):
             if m.get(part):
                 checks[f"{name}: {part}"] = {"passed": m[part]["passed"], **{k: v for k, v in m[part].items()
                                                                             if k != "passed"}}
@@ -698,6 +734,7 @@ def run(args: argparse.Namespace) -> int:
             s.start()
         rec.save()
         run_full.wait_until_up([servers[p.vc.name] for p in wave], max(1.0, limit))
+        ctx.urls.update({p.vc.name: servers[p.vc.name].url for p in wave if servers[p.vc.name].state == "up"})
         record_gpu_memory([p.vc.name for p in wave], "boot")
         return {p.vc.name: (servers[p.vc.name].state, serving.boot_facts(servers[p.vc.name].log_text())) for p in wave}
 
@@ -724,6 +761,8 @@ def run(args: argparse.Namespace) -> int:
 
     def stop(wave: Sequence[Planned]) -> None:
         names = [p.vc.name for p in wave if p.vc.name in servers]
+        for name in names:
+            ctx.urls.pop(name, None)
         record_gpu_memory(names, "end")  # after every part it ran
         stopping = [(name, servers[name]) for name in names]
         with ThreadPoolExecutor(max_workers=max(1, len(stopping))) as pool:  # together: each may take its grace

@@ -81,9 +81,10 @@ BASELINE_SERVER = "scripted-patched-plain"
 # time: estimates decide what is started, limits stop what runs long (s)
 BOOT_S = {"first": 330, "later": 260}  # visit 9: four servers up after 313 s with Triton cold
 # A FlashInfer server compiles its attention kernels (nvcc) during its boot, unless a carried flashinfer-cache holds
-# them: here (2 cores, 2026-12-04) the fp8 FA3 prefill module for head dim 256 took ~2.4 core-minutes per object, 11
-# objects; the H200's 16 cores build them side by side, so about one object's time, plus the decode module. A guess
-# added to the boot estimate and limit of a wave that holds one (nothing measured on the device).
+# them: on the 2-core development machine (2026-12-04, CUDA 13.0) the fp8 FA3 prefill module at head dim 256 (fp8
+# queries and KV, bf16 out) compiled its 10 objects in 568 s, ~1.9 core-minutes each; the H200's 16 cores build them
+# side by side, so about one object's time, plus the decode module. A guess added to the boot estimate and limit of
+# a wave that holds one (nothing measured on the device).
 FLASHINFER_JIT_S = 240
 STOP_S = 30
 LIMITS = {"synth": 420, "prepare": 420, "drafter": 300, "boot": 600, "greedy": 240, "api": 240, "quote25k": 240,

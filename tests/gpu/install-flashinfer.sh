@@ -8,7 +8,8 @@
 # parts $STAGE/flashinfer.NN and their list $STAGE/flashinfer.sha256 (copied there like the quant parts). Then it
 # checks what FlashInfer's JIT and vLLM need on PATH (nvcc, as vLLM's has_flashinfer() and FlashInfer's build find it;
 # ninja; cuRAND's headers, linked from the image's nvidia-curand where the toolkit lacks them; nvcc building a sm_90a
-# shared object that includes them with the image's host compiler) and that vLLM 0.28.0's FLASHINFER
+# shared object that includes them with the image's host compiler, linked against libcuda and libcudart as FlashInfer
+# links) and that vLLM 0.28.0's FLASHINFER
 # backend imports, and writes the marker $FLASHINFER_SITE/.qs-flashinfer. Run again, it keeps a site whose marker
 # names the staged version (nothing reinstalled) and checks again.
 # The installed files get a fixed old mtime (also the stack's tvm_ffi headers, which FlashInfer's kernels include):
@@ -74,10 +75,12 @@ if [ ! -f "$cuda_home/include/curand_kernel.h" ] && [ ! -e "$fi_include/curand_k
 fi
 probe=$(mktemp -d /tmp/flashinfer-probe.XXXXXX)
 printf '#include <curand_kernel.h>\n__global__ void qs_probe(float *x) { x[threadIdx.x] *= 2.0f; }\n' > "$probe/probe.cu"
+# linked as FlashInfer links its modules (-lcuda: the driver's library or the toolkit's stub; this machine, which
+# has neither, failed there)
 if ! out=$(nvcc -shared -Xcompiler -fPIC -isystem "$fi_include" -gencode=arch=compute_90a,code=sm_90a \
-    "$probe/probe.cu" -o "$probe/probe.so" 2>&1); then
+    "$probe/probe.cu" -o "$probe/probe.so" -L"$cuda_home/lib64" -L"$cuda_home/lib64/stubs" -lcuda -lcudart 2>&1); then
   rm -rf "$probe"
-  fail 12 "nvcc cannot build a sm_90a shared object including curand_kernel.h: $(tail -n 3 <<< "$out")"
+  fail 12 "nvcc cannot build and link (-lcuda -lcudart) a sm_90a shared object including curand_kernel.h: $(tail -n 3 <<< "$out")"
 fi
 rm -rf "$probe"
 say "nvcc $nvcc_release ($nvcc_path) builds sm_90a; ninja $ninja_version ($(command -v ninja))"

@@ -29,12 +29,12 @@ DRAFTER = Path("/tmp/drafter-for-test")
 def _args(**more) -> argparse.Namespace:
     return argparse.Namespace(**{"base_port": 18100, "site": Path("/s"), "patched_site": Path("/p"), "python": "py",
                                  "ckpt": Path("/ckpt/raw"), "prepared_ckpt": Path("/ckpt/prepared"), "drafter": DRAFTER,
-                                 "plans": [], **more})
+                                 "flashinfer_site": Path("/fi"), "plans": [], **more})
 
 
 @pytest.fixture(scope="module")
-def planned():
-    return pv.render(_args(), Path("/out"))
+def planned():  # as on a machine where FlashInfer is installed (flashinfer_missing found nothing)
+    return pv.render(_args(), Path("/out"), None)
 
 
 def test_every_config_is_a_plan_vllm_serve_parses(planned, vllm_cli):
@@ -69,7 +69,7 @@ def test_every_config_is_a_plan_vllm_serve_parses(planned, vllm_cli):
 def test_a_refused_combination_is_recorded_not_forced(monkeypatch):
     bad = pv.VisitConfig("bad", "single", {"SPEC": "dflash2", "DFLASH_TOKENS": "15", "LOOKUP": "0"}, ("#18",), "x")
     monkeypatch.setattr(pv, "CONFIGS", (*pv.CONFIGS[:1], bad))
-    planned = pv.render(_args(), Path("/out"))
+    planned = pv.render(_args(), Path("/out"), None)
     assert planned[1].cmd is None and "LOOKUP=1" in planned[1].refusal
     rec = sm.Record(Path("/nonexistent/r.json"), {})
     pv.Visit(planned, rec, pv.Budget(0), None, None, None)
@@ -108,7 +108,7 @@ def test_waves_keep_within_the_bound_first_fit_in_priority_order(planned):
 
 
 def test_plans_picks_a_share_of_the_configs_on_their_own_ports(planned):
-    share = pv.render(_args(plans=["dflash2-k15", "batch"]), Path("/out"))
+    share = pv.render(_args(plans=["dflash2-k15", "batch"]), Path("/out"), None)
     ports = {p.vc.name: p.port for p in planned}
     assert [(p.vc.name, p.port) for p in share] == [(n, ports[n]) for n in pv.NAMES if n in ("dflash2-k15", "batch")]
     with pytest.raises(SystemExit):
@@ -116,16 +116,22 @@ def test_plans_picks_a_share_of_the_configs_on_their_own_ports(planned):
 
 
 def test_dry_run_prints_every_wave_and_the_parts_plan(tmp_path):
+    # no FlashInfer site here: every config but the FlashInfer ones, and those listed as not tried, with why
     res = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "product_visit.py"), str(tmp_path / "o"),
-                          "--dry-run", "--drafter", str(DRAFTER)], capture_output=True, text=True, timeout=120,
-                         cwd=REPO)
+                          "--dry-run", "--drafter", str(DRAFTER), "--flashinfer-site", str(tmp_path / "fi")],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
     assert res.returncode == 0, res.stderr
     names = re.findall(r"^# (\S+) \(port (\d+)", res.stdout, flags=re.M)
-    assert sorted(n for n, _ in names) == sorted(c.name for c in pv.CONFIGS)
+    flashinfer = [c.name for c in pv.CONFIGS if c.flashinfer]
+    assert flashinfer == ["mtp-long"]
+    assert sorted(n for n, _ in names) == sorted(c.name for c in pv.CONFIGS if not c.flashinfer)
     assert len({port for _, port in names}) == len(names)
     assert len(re.findall(r"^PYTHONPATH=/tmp/patched:/tmp/site .* serve ", res.stdout, flags=re.M)) == len(names)
     assert res.stdout.count("  parts: pool") == len(names) and "## expensive parts, in order:" in res.stdout
-    assert res.stdout.count("# not tried:") == len(pv.NOT_TRIED) and not (tmp_path / "o").exists()
+    assert "mtp-long:max_request" not in res.stdout
+    assert res.stdout.count("# not tried:") == len(pv.NOT_TRIED) + 1 and not (tmp_path / "o").exists()
+    assert re.search(rf"^# not tried: mtp-long \(.*\): FlashInfer is not installed here: no {tmp_path}/fi/"
+                     rf"{re.escape(pv.FLASHINFER_MARKER)}", res.stdout, flags=re.M)
 
 
 class FakeClock:
@@ -243,7 +249,8 @@ def test_the_run_wires_boot_measure_stop_and_the_report(tmp_path, monkeypatch):
     monkeypatch.setattr(sm, "prompts_for", lambda d, kind, n: [{"ids": [i]} for i in range(n)])
     monkeypatch.setattr(sm, "expected_chain", lambda d, ids: baseline[ids[0]]["token_ids"])  # prompt i's answer
     monkeypatch.setattr(pv, "make_drafter", lambda *a: None)
-    rendered = {p.vc.name: p for p in pv.render(_args(), tmp_path)}
+    monkeypatch.setattr(pv, "flashinfer_missing", lambda *a: None)  # FlashInfer installed: mtp-long boots too
+    rendered = {p.vc.name: p for p in pv.render(_args(), tmp_path, None)}
     stopped = []
 
     class FakeServer:
@@ -369,3 +376,75 @@ def test_gpu_memory_is_read_per_process_and_summed_over_a_servers_tree():
     assert pv.run_full.server_gpu_mib([2059, 2838, 2839], held) == 22_200
     assert pv.run_full.server_gpu_mib([7, 8], held) is None
     assert pv.run_full.gpu_mib_by_pid(lambda argv, **kw: (_ for _ in ()).throw(OSError("no nvidia-smi"))) == {}
+
+
+def test_mtp_long_is_ctx_long_on_flashinfer_and_only_it_gets_flashinfers_site(planned, vllm_cli):
+    """Issue #20 item 1: the plan's CTX=long with MTP, fp8 KV on FlashInfer at 150,000 tokens and 3 drafts, parsed by
+    vLLM 0.28.0's own `vllm serve`; FlashInfer's site last on its PYTHONPATH and its bin (ninja) and the CUDA bin
+    (nvcc) first on its PATH; the sampler stays off FlashInfer; parts: the pool check, greedy and the 150k request."""
+    by = {p.vc.name: p for p in planned}
+    p = by["mtp-long"]
+    ns, ea = vllm_cli.serve(p.cmd.argv)
+    assert (ea.kv_cache_dtype, ns.attention_backend) == ("fp8", "FLASHINFER")
+    assert ea.max_model_len == 150_000 and ea.speculative_config["num_speculative_tokens"] == 3
+    assert ea.speculative_config["method"] == "mtp" and ea.kv_cache_memory_bytes == pv.card_pool(p.vc)
+    assert p.cmd.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert p.cmd.env["PATH"].split(os.pathsep)[:2] == ["/fi/bin", str(Path(os.environ.get("CUDA_HOME") or
+                                                                            "/usr/local/cuda") / "bin")]
+    args = _args()
+    assert pv.server_pythonpath(args, p) == "/p:/s:/fi"
+    assert all(pv.server_pythonpath(args, q) == "/p:/s" and "PATH" not in q.cmd.env
+               for q in planned if q.vc.name != "mtp-long")
+    assert pv.parts_for(p) == (["greedy"], ["max_request"])
+    assert pv.estimate_s(p, "max_request") == 60 + 150_000 / pv.MAX_REQUEST_TOK_S
+    assert pv.limit_s(p, "max_request") == 2 * pv.estimate_s(p, "max_request")
+    assert pv.pool_prediction(p) == p.served.cache.pool_tokens(p.served.kv_mem, 150_000)
+    # its wave's boot estimate and limit leave room for FlashInfer's JIT build; other waves' do not
+    assert pv.boot_s([by["dflash2"], p], first=True) == pv.BOOT_S["first"] + pv.FLASHINFER_JIT_S
+    assert pv.boot_s([by["dflash2"]], first=False) == pv.BOOT_S["later"]
+    limits = []
+    rec = sm.Record(Path("/dev/null"), {})
+    rec.save = lambda: None
+    visit = pv.Visit([by["dflash2"], p], rec, pv.Budget(100_000),
+                     lambda wave, limit: limits.append((tuple(q.vc.name for q in wave), limit)) or {},
+                     lambda *a: {}, lambda wave: None)
+    visit.run()
+    assert [limit for names, limit in limits if "mtp-long" in names] == [pv.LIMITS["boot"] + pv.FLASHINFER_JIT_S]
+
+
+def test_without_flashinfer_mtp_long_is_not_planned_and_the_report_says_why(monkeypatch):
+    why = "FlashInfer is not installed here: no /fi/.qs-flashinfer"
+    planned = pv.render(_args(), Path("/out"), why)
+    by = {p.vc.name: p for p in planned}
+    assert by["mtp-long"].cmd is None and by["mtp-long"].unavailable == why
+    assert all(p.cmd is not None and p.unavailable is None for p in planned if p.vc.name != "mtp-long")
+    assert [v for k, v in pv.not_tried(planned).items() if k.startswith("mtp-long (")] == [why]
+    calls, data = _visit(planned, 100_000)
+    assert "mtp-long" not in {n for c in calls if c[0] == "boot" for n in c[1]}
+    assert f"mtp-long: not planned: {why}" in data["skipped"]
+    assert "mtp-long" not in data["measurements"]
+
+
+def _executable(path: Path, text: str = "#!/bin/sh\nexit 0\n") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+def test_flashinfer_missing_wants_the_marker_nvcc_ninja_and_the_import(tmp_path):
+    site, fi = tmp_path / "site", tmp_path / "fi"
+    site.mkdir()
+    env = {"PATH": "/nonexistent", "CUDA_HOME": str(tmp_path / "cuda")}
+    missing = lambda: pv.flashinfer_missing(sys.executable, site, fi, env)  # noqa: E731
+    assert "no " + str(fi / pv.FLASHINFER_MARKER) in missing()
+    fi.mkdir()
+    (fi / pv.FLASHINFER_MARKER).write_text("flashinfer 0.6.16.post3\n")
+    assert missing().startswith("no nvcc on the FlashInfer servers' PATH")
+    _executable(tmp_path / "cuda" / "bin" / "nvcc")  # found through CUDA_HOME/bin, as the servers' PATH has it
+    assert missing().startswith("no ninja on the FlashInfer servers' PATH")
+    _executable(fi / "bin" / "ninja")
+    (fi / "flashinfer").mkdir()
+    (fi / "flashinfer" / "__init__.py").write_text("import pynvml_not_here\n")
+    assert missing().endswith("ModuleNotFoundError: No module named 'pynvml_not_here'")
+    (fi / "flashinfer" / "__init__.py").write_text("__version__ = '0.6.16.post3'\n")
+    assert missing() is None

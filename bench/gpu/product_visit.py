@@ -3,7 +3,10 @@ single-user and batch plans that never booted on a GPU (DFlash2 at 7 and 15 draf
 CTX=long, CTX=huge, VISION=1, the two launchers' defaults), each built by the product's plan
 (bench.fullbench.server_command: `python -m qwen_serving.plan`'s argv) with its KV pool pinned to what the plan
 leaves on a 24 GB card (the plan's own pin for SPEC=dflash2, else the memory model's KV_MEM=auto on a headless
-24 GB card). Run in visits 13 and 14 (bench/README.md, "Product plans").
+24 GB card). Run in visits 13 and 14 (bench/README.md, "Product plans"). `mtp-long` (SPEC=mtp CTX=long: fp8 KV on
+FlashInfer, issue #20 item 1) is planned only where tests/gpu/install-flashinfer.sh has installed FlashInfer beside the
+stack (--flashinfer-site) and it imports (flashinfer_missing); elsewhere the report lists it under `not_tried` and
+`skipped`, with why. Only that server gets FlashInfer's site on its PYTHONPATH and its bin on its PATH.
 
 Order (what a budget cut leaves out last to first):
 1. every config boots (a boot is a Must-show): CONFIGS in priority order, packed first-fit into waves whose memory
@@ -35,6 +38,7 @@ import dataclasses
 import gzip
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,6 +62,7 @@ from qwen_serving import knobs as kn  # noqa: E402
 from qwen_serving import memory, plan  # noqa: E402
 
 REPORT = "product-visit.json"
+FLASHINFER_MARKER = ".qs-flashinfer"  # tests/gpu/install-flashinfer.sh writes it once its checks pass
 SCHEMA = "qwen-serving product-visit/1"
 GiB, MiB = memory.GiB, memory.MiB
 # the card the pools are pinned for: a headless 24 GB card's free VRAM (docs/long-context.md's table)
@@ -75,6 +80,12 @@ BASELINE_REPORT = REPO / "bench" / "results" / "scripted-h200-mtp-run3.json"
 BASELINE_SERVER = "scripted-patched-plain"
 # time: estimates decide what is started, limits stop what runs long (s)
 BOOT_S = {"first": 330, "later": 260}  # visit 9: four servers up after 313 s with Triton cold
+# A FlashInfer server compiles its attention kernels (nvcc) during its boot, unless a carried flashinfer-cache holds
+# them: on the 2-core development machine (2026-12-04, CUDA 13.0) the fp8 FA3 prefill module at head dim 256 (fp8
+# queries and KV, bf16 out) compiled its 10 objects in 568 s, ~1.9 core-minutes each; the H200's 16 cores build them
+# side by side, so about one object's time, plus the decode module. A guess added to the boot estimate and limit of
+# a wave that holds one (nothing measured on the device).
+FLASHINFER_JIT_S = 240
 STOP_S = 30
 LIMITS = {"synth": 420, "prepare": 420, "drafter": 300, "boot": 600, "greedy": 240, "api": 240, "quote25k": 240,
           "max_request": 1200, "soak": 380, "labd_soak": 240, "residue": 420, "retrieval": 480,
@@ -106,6 +117,7 @@ class VisitConfig:
     cheap: tuple[str, ...] = ("greedy",)
     raw_logits: bool = False  # --logprobs-mode raw_logits: the near-tie rule; api_smoke's logprob checks need it off
     api_key: bool = False  # served with VISIT_API_KEY: the soak's wrong- and missing-key kinds run against it
+    flashinfer: bool = False  # its plan serves on FlashInfer: planned only where flashinfer_missing() finds nothing
 
     def bench_config(self) -> fb.BenchConfig:
         extra = fb.RAW_LOGITS if self.raw_logits else ()
@@ -142,13 +154,16 @@ CONFIGS: tuple[VisitConfig, ...] = (
                 "SPEC=dflash2 CTX=long: int8 per-token-head KV on Triton, 131,072 tokens"),
     VisitConfig("batch-int4pth", "batch", {"KV": "int4pth"}, ("#20",),
                 "the batch plan with KV=int4pth: int4 per-token-head KV on Triton, 262,144 tokens"),
+    # last, so that the configs before it keep their ports
+    VisitConfig("mtp-long", "single", {"SPEC": "mtp", "CTX": "long"}, ("#20",),
+                "SPEC=mtp CTX=long: fp8 KV on FlashInfer, 150,000 tokens, 3 drafts", flashinfer=True),
 )
 BY_NAME = {c.name: c for c in CONFIGS}
 # What the issues ask that this visit does not try, and why (recorded in every report).
 NOT_TRIED = {
-    "CTX=long with SPEC=mtp or SPEC=off (the 150k request)": "the plan puts fp8 KV on FlashInfer there, and FlashInfer "
-    "is not staged on the test machine; CTX=long is tried with SPEC=dflash2 (int8 per-token-head on Triton), whose "
-    "plan caps max_model_len at 131,072",
+    "CTX=long with SPEC=off": "the same fp8 KV on FlashInfer as mtp-long (which serves CTX=long's 150k request where "
+    "FlashInfer is installed: tests/gpu/install-flashinfer.sh), without the drafts; CTX=long is also tried with "
+    "SPEC=dflash2 (int8 per-token-head on Triton), whose plan caps max_model_len at 131,072",
     "#19 the W4A16 DFlash2 drafter": "drafter/quantize.py --dflash2 needs the GPTQ quantization venv, which is not "
     "staged offline; no round-to-nearest stand-in is built here",
 }
@@ -159,7 +174,8 @@ EXPENSIVE_ORDER: tuple[tuple[str, str], ...] = (
     ("single", "quality"), ("single", "real_rep"), ("single", "prefill_ab"),
     ("dflash2-k15", "labd_soak"),
     ("dflash2", "residue"),
-    ("dflash2-huge", "max_request"), ("mtp-huge", "max_request"), ("dflash2-long", "max_request"),
+    ("dflash2-huge", "max_request"), ("mtp-huge", "max_request"), ("mtp-long", "max_request"),
+    ("dflash2-long", "max_request"),
     ("mtp-huge", "residue"),
     ("mtp-huge", "retrieval"), ("batch-int4pth", "max_request"),
 )
@@ -241,6 +257,7 @@ class Planned:
     cmd: fb.ServerCommand | None = None
     served: plan.ServePlan | None = None
     refusal: str | None = None
+    unavailable: str | None = None  # what this machine lacks for it (flashinfer_missing)
 
     @property
     def spec(self) -> str:
@@ -258,15 +275,55 @@ def server_log(out: Path, name: str) -> Path:
     return out / f"{name}.server.log"
 
 
-def render(args: argparse.Namespace, out: Path) -> list[Planned]:
+def flashinfer_path(fi_site: Path, environ: Mapping[str, str]) -> str:
+    """The PATH a FlashInfer server gets (install-flashinfer.sh checks the same): the staged ninja, which
+    FlashInfer's JIT runs, and the CUDA bin with nvcc, which vLLM's has_flashinfer() looks for and the JIT runs."""
+    cuda_bin = Path(environ.get("CUDA_HOME") or "/usr/local/cuda") / "bin"
+    return os.pathsep.join([str(fi_site / "bin"), str(cuda_bin), environ.get("PATH", os.defpath)])
+
+
+def flashinfer_missing(python: str, site: Path, fi_site: Path, environ: Mapping[str, str] = os.environ) -> str | None:
+    """Why this machine cannot serve a FlashInfer config, or None: tests/gpu/install-flashinfer.sh's marker (it
+    passed its checks: nvcc building sm_90a, ninja, vLLM's FLASHINFER backend importing), nvcc and ninja on the
+    servers' PATH, and `import flashinfer` with the servers' path now."""
+    marker = fi_site / FLASHINFER_MARKER
+    if not marker.is_file():
+        return f"FlashInfer is not installed here: no {marker} (tests/gpu/stage-flashinfer.sh, install-flashinfer.sh)"
+    path = flashinfer_path(fi_site, environ)
+    for tool in ("nvcc", "ninja"):
+        if shutil.which(tool, path=path) is None:
+            return f"no {tool} on the FlashInfer servers' PATH ({path})"
+    try:
+        res = subprocess.run([python, "-c", "import flashinfer"], capture_output=True, text=True, timeout=300,
+                             env={**environ, "PYTHONPATH": os.pathsep.join([str(site), str(fi_site)])})
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"import flashinfer: {type(err).__name__}: {err}"
+    if res.returncode != 0:
+        tail = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return f"import flashinfer from {fi_site} fails: {tail}"
+    return None
+
+
+def server_pythonpath(args: argparse.Namespace, p: Planned) -> str:
+    """The patched vllm first, then the stack; FlashInfer's site last, for the configs that serve on it only."""
+    return os.pathsep.join([str(args.patched_site), str(args.site),
+                            *([str(args.flashinfer_site)] if p.vc.flashinfer else [])])
+
+
+def render(args: argparse.Namespace, out: Path, flashinfer: str | None) -> list[Planned]:
     """Every config (or those --plans names) through the plan, each on its own port (base_port + its index in
-    CONFIGS: never reused)."""
+    CONFIGS: never reused). `flashinfer` is flashinfer_missing()'s answer: a config that serves on FlashInfer is
+    rendered only when it is None, else it is left unavailable with that reason."""
     probe = plan.Probe.detect(REPO)
     planned = []
     for i, vc in enumerate(CONFIGS):
         if args.plans and vc.name not in args.plans:
             continue
         p = Planned(vc, args.base_port + i)
+        planned.append(p)
+        if vc.flashinfer and flashinfer is not None:
+            p.unavailable = flashinfer
+            continue
         cfg = dataclasses.replace(vc.bench_config(), knobs=knobs_for(vc, args.drafter))
         try:
             p.served = fb.serve_plan(cfg, ckpt=args.prepared_ckpt, port=p.port, traces=out / f"traces-{vc.name}",
@@ -274,10 +331,18 @@ def render(args: argparse.Namespace, out: Path) -> list[Planned]:
             p.cmd = fb.command_of(cfg, p.served, python=args.python)
             if vc.api_key:  # vLLM reads it from the environment, as the launchers pass it
                 p.cmd = dataclasses.replace(p.cmd, env={**p.cmd.env, kn.SECRET_ENV: VISIT_API_KEY})
+            if vc.flashinfer:
+                p.cmd = dataclasses.replace(p.cmd, env={**p.cmd.env,
+                                                        "PATH": flashinfer_path(args.flashinfer_site, os.environ)})
         except plan.PlanError as err:
             p.refusal = str(err)
-        planned.append(p)
     return planned
+
+
+def not_tried(planned: Sequence[Planned]) -> dict[str, str]:
+    """NOT_TRIED and the configs this machine cannot serve, with why."""
+    return {**NOT_TRIED, **{f"{p.vc.name} ({p.vc.what}; {', '.join(p.vc.issues)})": p.unavailable
+                            for p in planned if p.unavailable}}
 
 
 def memory_gib(p: Planned, seen: Mapping[str, Mapping] | None = None) -> dict[str, float]:
@@ -363,9 +428,14 @@ def cheap_s(wave: Sequence[Planned]) -> float:
     return sum(estimate_s(p, part) for p in wave for part in p.vc.cheap)
 
 
+def boot_s(wave: Sequence[Planned], first: bool) -> float:
+    """A wave's boot estimate: FLASHINFER_JIT_S more when one of its servers serves on FlashInfer."""
+    return BOOT_S["first" if first else "later"] + (FLASHINFER_JIT_S if any(p.vc.flashinfer for p in wave) else 0)
+
+
 def wave_need_s(wave: Sequence[Planned], first: bool) -> float:
     """Boot, cheap parts and stop of a wave."""
-    return BOOT_S["first" if first else "later"] + cheap_s(wave) + STOP_S
+    return boot_s(wave, first) + cheap_s(wave) + STOP_S
 
 
 def reserve_s(later: Sequence[Sequence[Planned]], left: float, cheap_only: bool) -> float:
@@ -374,7 +444,7 @@ def reserve_s(later: Sequence[Sequence[Planned]], left: float, cheap_only: bool)
     could not boot anyway keeps nothing)."""
     kept = 0.0
     for wave in later:
-        boot = BOOT_S["later"] + STOP_S
+        boot = boot_s(wave, first=False) + STOP_S
         if kept + boot > left:
             break
         kept += boot
@@ -530,13 +600,15 @@ class Visit:
         for p in planned:
             if p.refusal:
                 data["skipped"].append(f"{p.vc.name}: the plan refuses it: {p.refusal}")
+            if p.unavailable:
+                data["skipped"].append(f"{p.vc.name}: not planned: {p.unavailable}")
 
     def run(self) -> None:
         index = 0
         while self.todo:
             waves = pack(self.todo, seen=memory_classes(self.booted))
             wave, later = waves[0], waves[1:]
-            need = BOOT_S["first" if index == 0 else "later"]
+            need = boot_s(wave, first=index == 0)
             if self.budget.left() < need:
                 for w in waves:
                     self.rec.data["skipped"] += [f"{p.vc.name}: not booted ({self.budget.left():.0f} s left, a wave's "
@@ -552,7 +624,8 @@ class Visit:
 
     def one_wave(self, wave: list[Planned], later: list[list[Planned]], index: int) -> None:
         t0 = self.budget.clock()
-        states = self.boot_wave(wave, self.budget.within(LIMITS["boot"]))
+        jit = boot_s(wave, first=index == 0) - BOOT_S["first" if index == 0 else "later"]
+        states = self.boot_wave(wave, self.budget.within(LIMITS["boot"] + jit))
         self.rec.data["phases_s"][f"boot wave {index}"] = round(self.budget.clock() - t0, 1)
         up = []
         for p in wave:
@@ -717,14 +790,14 @@ def run(args: argparse.Namespace) -> int:
     if base is not None:
         traces[BASELINE_SERVER] = base
     ctx = Context(args, out, env, prompts)
-    planned = render(args, out)
+    planned = render(args, out, flashinfer_missing(args.python, args.site, args.flashinfer_site))
+    rec.data["not_tried"] = not_tried(planned)
     servers: dict[str, run_full.Server] = {}
 
     def boot(wave: Sequence[Planned], limit: float) -> dict[str, tuple[str, dict]]:
         for p in wave:
             (out / f"traces-{p.vc.name}").mkdir(exist_ok=True)
-            s = servers[p.vc.name] = run_full.Server(p.vc.bench_config(), p.cmd, p.port,
-                                                     os.pathsep.join([str(args.patched_site), str(args.site)]),
+            s = servers[p.vc.name] = run_full.Server(p.vc.bench_config(), p.cmd, p.port, server_pythonpath(args, p),
                                                      server_log(out, p.vc.name))
             rec.data["servers"][p.vc.name] = {"cmd": f"PYTHONPATH={s.pythonpath} {p.cmd.shell()}", "port": p.port,
                                               "what": p.vc.what, "issues": list(p.vc.issues),
@@ -789,7 +862,7 @@ def run(args: argparse.Namespace) -> int:
 def dry_run(args: argparse.Namespace) -> int:
     """Every wave's server commands (as the static estimate packs them) and the parts plan, with the time each
     part is estimated to take and its limit; the plan's refusals; what is not tried."""
-    planned = render(args, args.out.resolve())
+    planned = render(args, args.out.resolve(), flashinfer_missing(args.python, args.site, args.flashinfer_site))
     for p in planned:
         if p.refusal:
             print(f"# {p.vc.name}: the plan refuses it: {p.refusal}")
@@ -804,7 +877,7 @@ def dry_run(args: argparse.Namespace) -> int:
             print(f"# {p.vc.name} (port {p.port}, {', '.join(p.vc.issues)}): {p.vc.what}; ~{est['total']} GiB "
                   f"(weights {est['weights']}, graphs {est['graphs']}, pool {est['pool']}); max_model_len "
                   f"{max_len(p):,}, pool {pool_prediction(p):,} tokens predicted")
-            print(f"PYTHONPATH={args.patched_site}:{args.site} {p.cmd.shell()}")
+            print(f"PYTHONPATH={server_pythonpath(args, p)} {p.cmd.shell()}")
             cheap, expensive = parts_for(p)
             print("  parts: " + ", ".join(["pool", *(f"{x} ~{estimate_s(p, x):.0f}/{limit_s(p, x):.0f} s"
                                                       for x in cheap + expensive)]))
@@ -813,7 +886,7 @@ def dry_run(args: argparse.Namespace) -> int:
           f"{args.budget_s:.0f} s (checkpoint, prepared copy and drafter first, ~170 s)")
     booting = {p.vc.name for p in planned if p.cmd}
     print("## expensive parts, in order: " + ", ".join(f"{n}:{part}" for n, part in EXPENSIVE_ORDER if n in booting))
-    for what, why in NOT_TRIED.items():
+    for what, why in not_tried(planned).items():
         print(f"# not tried: {what}: {why}")
     return 0
 
@@ -828,6 +901,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the scripted full checkpoint, generated here if missing (default %(default)s)")
     p.add_argument("--prepared-ckpt", type=Path, default=Path("/tmp/qwen-scripted-full-prepared"),
                    help="the prepared copy every server serves, made here if missing (default %(default)s)")
+    p.add_argument("--flashinfer-site", type=Path, default=Path("/tmp/flashinfer-site"),
+                   help="FlashInfer beside the stack (tests/gpu/install-flashinfer.sh; default %(default)s): the "
+                        "FlashInfer configs are planned only when it is installed and imports")
     p.add_argument("--drafter", type=Path, default=Path("/tmp/qwen-scripted-dflash2"),
                    help="the scripted DFlash2 drafter, generated here if missing (default %(default)s)")
     p.add_argument("--base-port", type=int, default=18100, help="config i listens on base + i")

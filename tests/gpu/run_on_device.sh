@@ -100,8 +100,9 @@ fi
 python3 -m qwen_serving.patchset verify --vllm-dir "$VLLM_TREE" || finish 12 "patch series not fully applied"
 record_phase apply_s $(( $(date +%s) - t ))
 # The kernel caches brought back from an earlier visit (README: jit-cache; Triton's and vLLM's compiled graphs, in
-# parts of at most 16 MB, xz or gzip) skip most of a server's kernel JIT and torch.compile.
-for CACHE_PARTS in "${STAGE:-/tmp/stage}/jit-cache.txz" "${STAGE:-/tmp/stage}/jit-cache.tgz"; do
+# parts of at most 16 MB, xz or gzip; flashinfer-cache: FlashInfer's JIT builds) skip most of a server's kernel JIT
+# and torch.compile.
+for CACHE_PARTS in "$STAGE"/{jit-cache,flashinfer-cache}.{txz,tgz}; do
   if compgen -G "$CACHE_PARTS.*" > /dev/null; then
     log "restoring the kernel caches from $CACHE_PARTS.*"
     unsqueeze=(xz -d); [ "${CACHE_PARTS##*.}" = tgz ] && unsqueeze=(gzip -d)

@@ -17,9 +17,9 @@ The prompt (the spec gives no exact construction; this one puts the whole length
   server's /tokenize gives, so L is exact; judged as text.
 base is a multiple of 128 (default: the smallest that fits the prompt and is longer than one KV cache block of the
 server, vllm:cache_config_info's block_size: a prompt hits the prefix cache in whole blocks, never its last token,
-so a shorter one could not; under mamba cache mode `align` also longer than one prefill chunk plus two blocks, since
-a hybrid model keeps its recurrent state only at the block-aligned end of a chunk that is not the prompt's last:
-visit 14's twins of 512-640 tokens, one 2,048-token chunk each, hit nothing), so r = L mod 128. Each length's pair has its own cache_salt, new for every run: the
+so a shorter one could not; two blocks under mamba cache mode `align` with an MTP or DFlash2 drafter, which back the
+last position whose recurrent state is kept off one block: visit 14's DFlash2 twins of 512-639 tokens, 448-token
+blocks, hit nothing), so r = L mod 128. Each length's pair has its own cache_salt, new for every run: the
 cold request hits nothing an earlier request left, and its twin hits what the cold one left (the report counts the
 hit tokens of each from /metrics). A sweep whose twins did not all hit the cache fails: it has not tried the path
 the spec saw corrupted.
@@ -97,29 +97,25 @@ def block_size_of(server: dict) -> int | None:
     return int(size) if size.isdigit() else None
 
 
-def aligned_chunk_of(server: dict) -> int | None:
-    """Under mamba cache mode `align` the prefill chunk (the scheduler's max_num_scheduled_tokens, in the server's
-    vllm_config when it runs with VLLM_SERVER_DEV_MODE=1, else FALLBACK_CHUNK); None in any other mode."""
-    if str((server.get("cache_config") or {}).get("mamba_cache_mode", "")) != "align":
-        return None
-    scheduler = (server.get("vllm_config") or {}).get("scheduler_config") or {}
-    chunk = scheduler.get("max_num_scheduled_tokens") or scheduler.get("max_num_batched_tokens")
-    return int(chunk) if chunk else FALLBACK_CHUNK
+# speculative methods vLLM 0.28.0's scheduler counts as drafting from the target's hidden states
+# (SpeculativeConfig.use_eagle): under mamba cache mode `align` they back the last cacheable position off one block
+HIDDEN_STATE_DRAFTERS = ("eagle", "eagle3", "mtp", "dflash", "dspark")
 
 
-# an aligned server whose chunk is not in its facts: vLLM's largest default max_num_batched_tokens
-FALLBACK_CHUNK = 16384
+def blocks_before_a_hit(server: dict) -> int:
+    """How many whole KV blocks a prompt needs before its last token for a repeat to hit the prefix cache. One, but
+    two under mamba cache mode `align` with a drafter on the target's hidden states: the scheduler keeps a hybrid
+    model's recurrent state only at `last_cache_position`, the prompt's last block boundary less one block for such
+    a drafter (vLLM 0.28.0's Scheduler._mamba_block_aligned_split), and a hit needs that state."""
+    align = str((server.get("cache_config") or {}).get("mamba_cache_mode", "")) == "align"
+    spec = (server.get("vllm_config") or {}).get("speculative_config") or {}
+    method = spec.get("method") if isinstance(spec, dict) else None
+    return 2 if align and method in HIDDEN_STATE_DRAFTERS else 1
 
 
-def default_base(minimum: int, block_size: int | None, aligned_chunk: int | None = None) -> int:
-    """The smallest multiple of 128 that holds the prompt and, for a hit, one whole block before the last token.
-    Under mamba cache mode `align` a hybrid model keeps its recurrent state only where a prefill chunk that is not
-    the prompt's last one ends, at a block boundary (vLLM 0.28.0's Scheduler._mamba_block_aligned_split), so the
-    prompt must also outrun one chunk, by two blocks (a drafter backs the last cacheable position off one block)."""
-    block = block_size or 0
-    shortest = max(minimum, block + 1)
-    if aligned_chunk is not None:
-        shortest = max(shortest, max(aligned_chunk, block) + 2 * block + 1)
+def default_base(minimum: int, block_size: int | None, blocks: int = 1) -> int:
+    """The smallest multiple of 128 that holds the prompt and `blocks` whole blocks before the last token."""
+    shortest = max(minimum, blocks * (block_size or 0) + 1)
     return -(-shortest // MODULUS) * MODULUS
 
 
@@ -178,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     model = report["server"]["model"]["id"]
     server = report["server"]
     base = args.base if args.base is not None else default_base(layout.minimum, block_size_of(server),
-                                                                aligned_chunk_of(server))
+                                                                blocks_before_a_hit(server))
     if base < layout.minimum:
         print(f"residue_sweep: --base {base} is shorter than the prompt's {layout.minimum} tokens", file=sys.stderr)
         return 2
@@ -218,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     all_hit = summary["cached_twins_hit_cache"] == summary["done"]
     if not all_hit:
         print(f"FAILED: only {summary['cached_twins_hit_cache']} of {summary['done']} cached twins hit the prefix "
-              "cache, so the cached path was not tried (is prefix caching on? is --base longer than a block, and under mamba align mode than a prefill chunk?)")
+              "cache, so the cached path was not tried (is prefix caching on? is --base longer than a block, two with a drafter under mamba align?)")
     if suspect is not None:
         print(f"suspect residue {suspect} (117 + {drafts}): {'passed' if summary['suspect_passed'] else 'FAILED'}"
               if summary["suspect_passed"] is not None else f"suspect residue {suspect} (117 + {drafts}): not swept")

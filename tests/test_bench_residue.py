@@ -67,14 +67,12 @@ def test_the_base_clears_one_cache_block_and_twins_that_miss_the_cache_fail_the_
     assert short["summary"]["passed"] == 4 and short["summary"]["cached_twins_hit_cache"] == 0 and rc == 1
     assert "only 0 of 4 cached twins hit the prefix cache" in capsys.readouterr().out
     assert rs.default_base(300, None) == 384 and rs.default_base(100, 127) == 128 and rs.default_base(100, 128) == 256
-    # align mode: past one 2,048-token chunk and two 448-token blocks (2,945 tokens), whatever the prompt needs
-    assert rs.default_base(300, 448, 2048) == 3072 and rs.default_base(4000, 448, 2048) == 4096
-    assert rs.default_base(300, 4096, 2048) == 12288 + 128  # a block wider than the chunk: past the block
-    server = {"cache_config": {"block_size": "448", "mamba_cache_mode": "align"},
-              "vllm_config": {"scheduler_config": {"max_num_scheduled_tokens": 2048}}}
-    assert rs.aligned_chunk_of(server) == 2048 and rs.block_size_of(server) == 448
-    assert rs.aligned_chunk_of({"cache_config": {"mamba_cache_mode": "align"}}) == rs.FALLBACK_CHUNK
-    assert rs.aligned_chunk_of({"cache_config": {"mamba_cache_mode": "none"}}) is None
+    assert rs.default_base(300, 448, 2) == 1024 and rs.default_base(1500, 448, 2) == 1536  # two blocks, or the prompt
+    dflash2 = {"cache_config": {"block_size": "448", "mamba_cache_mode": "align"},
+               "vllm_config": {"speculative_config": {"method": "dflash", "num_speculative_tokens": 7}}}
+    assert rs.blocks_before_a_hit(dflash2) == 2 and rs.block_size_of(dflash2) == 448
+    assert rs.blocks_before_a_hit({**dflash2, "vllm_config": {"speculative_config": None}}) == 1  # no drafter
+    assert rs.blocks_before_a_hit({**dflash2, "cache_config": {"mamba_cache_mode": "none"}}) == 1
 
 
 @pytest.mark.parametrize("shape,verdict", [("empty", "empty"), ("truncated", "truncated"), ("unrelated", "unrelated")])

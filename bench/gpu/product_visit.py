@@ -91,8 +91,8 @@ LIMITS = {"synth": 420, "prepare": 420, "drafter": 300, "boot": 600, "greedy": 2
           "max_request": 1200, "soak": 380, "labd_soak": 240, "residue": 420, "retrieval": 480,
           "quality": 120, "real_rep": 240, "prefill_ab": 300}
 # visits 13-14 took: greedy 7-14 s (mtp-huge 50), api 6-9, quote25k 11-15, soak 100-115 (180 s budget then),
-# labd_soak 22, residue 149-155 at 384-639-token prompts (3,072 and up now: past one prefill chunk)
-ESTIMATES = {"greedy": 15, "api": 20, "quote25k": 25, "soak": 300, "labd_soak": 40, "residue": 300,
+# labd_soak 22, residue 149-155 at 384-639-token prompts (1,024 and up now: past two blocks)
+ESTIMATES = {"greedy": 15, "api": 20, "quote25k": 25, "soak": 300, "labd_soak": 40, "residue": 240,
              "retrieval": 420, "quality": 60, "real_rep": 150, "prefill_ab": 180}
 # prefill rate the estimate of a max-length request assumes: visit 14's 245,696-token prompt (DFlash2, CTX=huge,
 # int4 KV on Triton) had not finished after 317 s (below 775 tok/s, whatever held it); 500 is a guess under that

@@ -10,22 +10,19 @@
 set -uo pipefail
 OUT="${1:?usage: pack_jit_cache.sh OUT}"
 PART=16000000
-rm -f "$OUT"/jit-cache.t?z.*
 if command -v xz > /dev/null; then ext=txz; squeeze=(xz -T0 -6); else ext=tgz; squeeze=(gzip -6); fi
-if tar -cf - -C "$HOME" .triton/cache .cache/vllm/torch_compile_cache 2>/dev/null | "${squeeze[@]}" > "/tmp/jit-cache.$ext"; then
+# pack NAME LABEL DIR...: the DIRs under $HOME as OUT/NAME.EXT.NN, when the files already in OUT leave room for them
+pack() {
+  local name="$1" label="$2" room size
+  shift 2
+  rm -f "$OUT/$name".t?z.*
+  tar -cf - -C "$HOME" "$@" 2>/dev/null | "${squeeze[@]}" > "/tmp/$name.$ext" || return 0
   room=$(( 8 - $(find "$OUT" -maxdepth 1 -type f | wc -l) ))
-  size=$(stat -c %s "/tmp/jit-cache.$ext")
+  size=$(stat -c %s "/tmp/$name.$ext")
   if [ "$size" -le $(( room * PART )) ]; then
-    split -b "$PART" -d -a 2 "/tmp/jit-cache.$ext" "$OUT/jit-cache.$ext."
-    echo "kernel caches: $size bytes in $(( (size + PART - 1) / PART )) parts"
-  else echo "kernel caches: $size bytes, more than the $room parts left: not packed (a call of their own holds 8)"; fi
-fi
-rm -f "$OUT"/flashinfer-cache.t?z.*
-if [ -d "$HOME/.cache/flashinfer" ] && tar -cf - -C "$HOME" .cache/flashinfer | "${squeeze[@]}" > "/tmp/flashinfer-cache.$ext"; then
-  room=$(( 8 - $(find "$OUT" -maxdepth 1 -type f | wc -l) ))
-  size=$(stat -c %s "/tmp/flashinfer-cache.$ext")
-  if [ "$size" -le $(( room * PART )) ]; then
-    split -b "$PART" -d -a 2 "/tmp/flashinfer-cache.$ext" "$OUT/flashinfer-cache.$ext."
-    echo "FlashInfer's JIT cache: $size bytes in $(( (size + PART - 1) / PART )) parts"
-  else echo "FlashInfer's JIT cache: $size bytes, more than the $room parts left: not packed"; fi
-fi
+    split -b "$PART" -d -a 2 "/tmp/$name.$ext" "$OUT/$name.$ext."
+    echo "$label: $size bytes in $(( (size + PART - 1) / PART )) parts"
+  else echo "$label: $size bytes, more than the $room parts left: not packed (a call of their own holds 8)"; fi
+}
+pack jit-cache "kernel caches" .triton/cache .cache/vllm/torch_compile_cache
+if [ -d "$HOME/.cache/flashinfer" ]; then pack flashinfer-cache "FlashInfer's JIT cache" .cache/flashinfer; fi

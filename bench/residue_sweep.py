@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     all_hit = summary["cached_twins_hit_cache"] == summary["done"]
     if not all_hit:
         print(f"FAILED: only {summary['cached_twins_hit_cache']} of {summary['done']} cached twins hit the prefix "
-              "cache, so the cached path was not tried (is prefix caching on? is --base longer than a block, two with a drafter under mamba align?)")
+              "cache, so the cached path was not tried (is prefix caching on? is --base longer than a block, two "
+              "with a drafter under mamba align?)")
     if suspect is not None:
         print(f"suspect residue {suspect} (117 + {drafts}): {'passed' if summary['suspect_passed'] else 'FAILED'}"
               if summary["suspect_passed"] is not None else f"suspect residue {suspect} (117 + {drafts}): not swept")

@@ -27,8 +27,9 @@ Not run to the end on a GPU yet (visit 14's 245,696-token request was cut at 317
 Report: OUT/retrieval-TAG.json (date, machine, server, settings; per depth the segment's position, tokens reproduced,
 verbatim or not, first divergence; the follow-up), rewritten atomically after every request; beside it
 OUT/retrieval-TAG-progress.jsonl, one /metrics read (running and waiting requests, KV cache use, prompt and generated
-token counters) every --watch-every seconds while a request runs, so a request cut short still shows how far it got. Resumable: an existing
-report of the same settings and server is continued, a finished depth (or follow-up) not re-run unless --force.
+token counters) every --watch-every seconds while a request runs, so a request cut short still shows how far it got.
+Resumable: an existing report of the same settings and server is continued, a finished depth (or follow-up) not
+re-run unless --force.
 Exit 0 when every depth run and both follow-up turns came back verbatim, 1 otherwise (or a request failed), 2 on bad
 input or a report of another run, 3 when the server cannot be used.
 """
@@ -270,7 +271,6 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(opened, int):
         return opened
     path, client, report, design = opened
-    args.report_path = path
     model, max_len = report["server"]["model"]["id"], report["server"]["model"]["max_model_len"]
     run_id = secrets.token_hex(4)  # a new salt per run: nothing earlier answers a cold request from the cache
     todo = [d for d in args.depths if "verbatim" not in report["depths"].get(str(d), {})]
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.step(f"depth {depth}: {row['tokens_reproduced']}/{row['segment_tokens']} {row['verdict']}")
     if followup_todo:
         report["followup"] = run_followup(client, model, design, args, max_len, f"{args.tag}-{run_id}-followup",
-                                          report["errors"])
+                                          report["errors"], progress_path(path))
         bar.step("follow-up: " + ("skipped" if "skipped" in report["followup"] else
                                   "verbatim" if report["followup"].get("verbatim") else "NOT verbatim"))
     summary = report["summary"] = summarize(report, args.depths)
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_followup(client: serving.Client, model: str, design, args: argparse.Namespace, max_len: int, salt: str,
-                 errors: list[dict]) -> dict:
+                 errors: list[dict], progress: Path) -> dict:
     """Both turns of the follow-up under one salt: cold, then over the cached prefix."""
     cold, cached, placed_at = followup_cases(design, args)
     reason = does_not_fit(len(cached.prompt) + cached.max_tokens, max_len)
@@ -329,7 +329,7 @@ def run_followup(client: serving.Client, model: str, design, args: argparse.Name
     turns, page = [], None
     try:
         for case in (cold, cached):
-            with serving.MetricsWatch(client, progress_path(args.report_path), case.name, args.watch_every):
+            with serving.MetricsWatch(client, progress, case.name, args.watch_every):
                 _, figures, page = vb.ask_measured(client, model, case, salt=salt, ignore_eos=True, before=page,
                                                    timeout_s=args.timeout)
             turns.append(figures)

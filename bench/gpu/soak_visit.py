@@ -7,7 +7,7 @@ within --budget-s whatever the server does:
 It runs `python -m bench.soak` with the visit's settings: short answers (max_tokens up to 16, JSON kinds 48), waves
 at concurrency 1/4/16/32, prompts near max_model_len at a quarter of the default share (after the first one the
 prefix cache holds their shared prefix; without a prefix cache each is a full prefill), a 120 s request timeout.
-No request starts after budget - 30 s timeout - 15 s settle - 25 s for the final reads, so the call ends within
+No request starts after budget - the request timeout - 15 s settle - 25 s for the final reads, so the call ends within
 the budget while the server answers /metrics; a request that never started is counted as not run (the
 `expected_answers` criterion fails, and the JSON says how many). Writes OUT (the soak's JSON, with "mode") and
 OUT with .md (the per-kind table). Exit code is the soak's: 0 passed, 1 a criterion failed, 2 the soak could not run.

@@ -196,11 +196,16 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------- plans and memory (standard library)
 
 
+def auto_pool_values(vc: VisitConfig) -> kn.Values:
+    """The config's knob values with KV_MEM=auto, as a 24 GB card would resolve them."""
+    return kn.Values.of(vc.mode, kn.resolve(vc.mode, {**vc.knobs, "KV_MEM": "auto"}))
+
+
 def shipped_weights(vc: VisitConfig) -> float:
     """The GPU bytes of the weights a user serves with the config's plan, as the memory model counts them
     (single-user: the fast variant; batch: the base requantization; the W4A16 DFlash2 drafter; VISION_OFFLOAD's
     budget): the scripted servers load the prepared copy's int8 lm_head and MTP module and a bf16 drafter instead."""
-    v = kn.Values.of(vc.mode, kn.resolve(vc.mode, {**vc.knobs, "KV_MEM": "auto"}))
+    v = auto_pool_values(vc)
     spec = v.spec if vc.mode == "single" else "off"
     offload = v.vision_offload_gib if v.vision and v.vision_offload else None
     return memory.weights_bytes(spec, fast_variant=vc.mode == "single", vision=bool(v.vision),
@@ -210,7 +215,7 @@ def shipped_weights(vc: VisitConfig) -> float:
 def card_pool(vc: VisitConfig) -> int:
     """KV_MEM=auto of the config's plan on a headless 24 GB card, after the first start, with the shipped weights:
     what the plan's own `explain` prints as `KV_MEM=auto would pin`."""
-    vision = bool(kn.Values.of(vc.mode, kn.resolve(vc.mode, dict(vc.knobs))).vision)
+    vision = bool(auto_pool_values(vc).vision)
     batched = memory.PREFILL_CHUNK if vc.mode == "single" else plan.VLLM_BATCHED_TOKENS
     encoder = memory.encoder_cache_bytes(batched, kn.VISION_IMAGE_TOKENS) if vision else 0
     return memory.auto_kv_mem(CARD_FREE, shipped_weights(vc), encoder_cache=encoder)

@@ -448,3 +448,26 @@ def test_flashinfer_missing_wants_the_marker_nvcc_ninja_and_the_import(tmp_path)
     assert missing().endswith("ModuleNotFoundError: No module named 'pynvml_not_here'")
     (fi / "flashinfer" / "__init__.py").write_text("__version__ = '0.6.16.post3'\n")
     assert missing() is None
+
+
+def test_pack_script_brings_back_the_visit_so_far_without_the_caches(tmp_path):
+    """Each poll packs with --no-cache, so a machine lost mid-visit leaves the last poll's report and logs here."""
+    visit, out = tmp_path / "visit", tmp_path / "out"
+    (visit / "product-out").mkdir(parents=True)
+    out.mkdir()
+    (visit / "product-out" / "product-visit.json").write_text('{"phases_s": {}}')
+    (visit / "product-out" / "single-soak.json").write_text("{}")
+    (visit / "product-out" / "single.server.log").write_text("x" * 3_000_000)
+    (visit / "visit.log").write_text("[visit] 1. patched copy\n")
+    script = REPO / "tests" / "gpu" / "pack_product_visit.sh"
+    env = {**os.environ, "QS_PACK_FROM": str(visit), "HOME": str(tmp_path / "no-caches-here")}
+    done = subprocess.run(["bash", str(script), str(out), "--no-cache"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tgz", "product-visit.json", "product.tgz", "visit.tgz"]
+    listing = subprocess.run(["tar", "-tzf", str(out / "product.tgz")], capture_output=True, text=True).stdout.split()
+    assert "product-out/single-soak.json" in listing and "product-out/single.server.log" not in listing
+    logs = subprocess.run(["tar", "-xzOf", str(out / "logs.tgz"), "pack-product-logs/single.server.log"],
+                          capture_output=True).stdout
+    assert len(logs) == 2_000_000  # the server log's tail only
+    bad = subprocess.run(["bash", str(script), str(out), "--caches"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "only --no-cache" in bad.stderr

@@ -1,10 +1,12 @@
 """The KVarN tile kernels at the real attention shape on a CUDA GPU: the CPU test's comparisons, full size
 (4 KV heads of 256, 128-token tiles, 64k tokens), plus the int4 per-token-head reference against vLLM 0.28.0's
-own write kernel when vLLM is importable. Not run yet (no GPU this session):
+own write kernel when vLLM is importable. Ran on the H200 on 2026-12-04 without vLLM (docs/kvarn.md, "What the
+GPU session runs"):
 
     pytest -m gpu tests/gpu/test_kvarn_gpu.py      # then: python bench/kv_fidelity.py (issue 20 item 2)
 
-Tolerances as on CPU: codes equal on >= 99.9% of bytes, the two read-backs within 0.1% of each other.
+Tolerances as on CPU: codes equal on >= 99.9% of bytes; the two read-backs within 0.3% of each other (fp16
+scales one step apart).
 """
 
 from __future__ import annotations
@@ -40,10 +42,18 @@ def test_cache_records_at_64k():
     layout = kvarn.KvarnLayout(head_dim=model.HEAD_DIM)
     got = kvarn.kvarn_quantize(k, v, layout, impl="triton")
     want = kvarn.kvarn_quantize(k, v, layout, impl="reference")
+    d, tile = model.HEAD_DIM, layout.tile
+    for start, size in ((layout.k_codes, d * tile // 2), (layout.v_codes, d * tile // 4)):  # code bytes, K then V
+        assert (got[..., start:start + size] == want[..., start:start + size]).float().mean() >= 0.999
+    # The codes agree (H200, 2026-12-04: all but 1.5e-6 of K's bytes); the scales, fp16, may land one step (2^-11 of
+    # the value) apart after Sinkhorn's exp/log in another order, row and column scale each: up to ~0.2% of the norm.
+    # Measured there: K 0.106%, V 0.110%, above the 0.1% this test first asked.
     for a, b in zip(kvarn.kvarn_dequantize(got, layout), kvarn.kvarn_dequantize(want, layout), strict=True):
-        assert (a - b).norm() / b.norm() < 1e-3
+        assert (a - b).norm() / b.norm() < 3e-3
     kd, vd = kvarn.kvarn_dequantize(got, layout)
-    assert ((kd - k.float()).norm() / k.float().norm()) < 0.09
+    # min-max rounding of Gaussian rows of 128: range ~5.2 sigma, step range / 15 at 4 bits, error step / sqrt(12)
+    # ~ 0.10 sigma (H200: 0.099); range / 3 at 2 bits ~ 0.5 sigma
+    assert ((kd - k.float()).norm() / k.float().norm()) < 0.11
     assert ((vd - v.float()).norm() / v.float().norm()) < 0.62
 
 

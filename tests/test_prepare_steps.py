@@ -51,6 +51,24 @@ def test_round_trip_error_bounds():
     assert not codes.any() and not int8.dequantize_rows(codes, scales, "BF16").any()
 
 
+def test_error_meter_equals_float64_sums_over_chunks():
+    rng = np.random.default_rng(1)
+    weight = (rng.normal(0, 0.02, size=(300, 1024)) * rng.lognormal(size=(300, 1))).astype(np.float32)
+    meter = int8.ErrorMeter()
+    for r0 in range(0, 300, 64):  # as a matrix streams, the last chunk short
+        block = weight[r0:r0 + 64]
+        meter.add(block, int8.dequantize_rows(*int8.quantize_rows(block, "BF16"), "BF16"))
+    restored = int8.dequantize_rows(*int8.quantize_rows(weight, "BF16"), "BF16").astype(np.float64)
+    want = np.sqrt(((weight - restored) ** 2).sum() / (weight.astype(np.float64) ** 2).sum())
+    assert meter.relative == pytest.approx(want, rel=1e-6)
+    assert meter.max_abs == np.abs(weight - restored).max()
+    huge = np.zeros((2, 128), np.float32)
+    huge[0, 0], huge[1] = 3e19, 1.0  # its float32 square overflows
+    big = int8.ErrorMeter()
+    big.add(huge, np.zeros_like(huge))
+    assert big.relative == 1.0 and big.ref_sq == pytest.approx(9e38 + 128)
+
+
 def test_quant_lm_head_changes_only_lm_head(model, capsys):
     before = ModelDir.open(model)
     original = {t: bytes(before.shards[s].array(t).tobytes()) for t, s in before.weight_map.items()}

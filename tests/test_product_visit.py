@@ -29,7 +29,7 @@ DRAFTER = Path("/tmp/drafter-for-test")
 def _args(**more) -> argparse.Namespace:
     return argparse.Namespace(**{"base_port": 18100, "site": Path("/s"), "patched_site": Path("/p"), "python": "py",
                                  "ckpt": Path("/ckpt/raw"), "prepared_ckpt": Path("/ckpt/prepared"), "drafter": DRAFTER,
-                                 "flashinfer_site": Path("/fi"), "plans": [], **more})
+                                 "flashinfer_site": Path("/fi"), "quant_site": Path("/qs"), "plans": [], **more})
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,9 @@ def test_every_config_is_a_plan_vllm_serve_parses(planned, vllm_cli):
     for p in planned:
         assert p.refusal is None, (p.vc.name, p.refusal)
         ns, ea = vllm_cli.serve(p.cmd.argv)
-        settings = kn.resolve(p.vc.mode, {**p.vc.knobs, **({"DRAFT": str(DRAFTER)} if "SPEC" in p.vc.knobs else {})})
+        drafter = pv.served_drafter(_args(), p.vc)  # #19's W4A16 one for dflash2-w4a16, else the scripted drafter
+        settings = kn.resolve(p.vc.mode, {**p.vc.knobs, **({"DRAFT": str(drafter)} if "SPEC" in p.vc.knobs else {})})
+        assert ns.model_tag == str(pv.served_ckpt(_args(), p.vc))  # the fast variant for single-fast
         # the plan's own context length and pool: its pin for SPEC=dflash2, else what KV_MEM=auto leaves on 24 GB
         assert ea.max_model_len == settings["MAX_LEN"].value == pv.max_len(p), p.vc.name
         pin = settings["KV_MEM"].value
@@ -53,7 +55,7 @@ def test_every_config_is_a_plan_vllm_serve_parses(planned, vllm_cli):
         assert ("--language-model-only" in p.cmd.argv) == (p.vc.knobs.get("VISION") != "1")
         spec = ea.speculative_config
         if p.spec == "dflash2":
-            assert spec["method"] == "dflash" and spec["model"] == str(DRAFTER)
+            assert spec["method"] == "dflash" and spec["model"] == str(drafter)
             assert spec["num_speculative_tokens"] == settings["DFLASH_TOKENS"].value
             assert p.cmd.env[kn.LOOKUP_ENV] == str(settings["LOOKUP"].value)
         elif p.spec == "mtp":
@@ -118,18 +120,24 @@ def test_plans_picks_a_share_of_the_configs_on_their_own_ports(planned):
 def test_dry_run_prints_every_wave_and_the_parts_plan(tmp_path):
     # no FlashInfer site here: every config but the FlashInfer ones, and those listed as not tried, with why
     res = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "product_visit.py"), str(tmp_path / "o"),
-                          "--dry-run", "--drafter", str(DRAFTER), "--flashinfer-site", str(tmp_path / "fi")],
+                          "--dry-run", "--drafter", str(DRAFTER), "--flashinfer-site", str(tmp_path / "fi"),
+                          "--quant-site", str(tmp_path / "qs")],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert res.returncode == 0, res.stderr
     names = re.findall(r"^# (\S+) \(port (\d+)", res.stdout, flags=re.M)
     flashinfer = [c.name for c in pv.CONFIGS if c.flashinfer]
     assert flashinfer == ["mtp-long"]
-    assert sorted(n for n, _ in names) == sorted(c.name for c in pv.CONFIGS if not c.flashinfer)
+    variants = [c.name for c in pv.CONFIGS if c.variant]
+    assert variants == ["single-fast", "dflash2-w4a16"]  # no quant site here either: #19's configs not tried
+    assert sorted(n for n, _ in names) == sorted(c.name for c in pv.CONFIGS if not c.flashinfer and not c.variant)
     assert len({port for _, port in names}) == len(names)
     assert len(re.findall(r"^PYTHONPATH=/tmp/patched:/tmp/site .* serve ", res.stdout, flags=re.M)) == len(names)
     assert res.stdout.count("  parts: pool") == len(names) and "## expensive parts, in order:" in res.stdout
     assert "mtp-long:max_request" not in res.stdout
-    assert res.stdout.count("# not tried:") == len(pv.NOT_TRIED) + 1 and not (tmp_path / "o").exists()
+    assert res.stdout.count("# not tried:") == len(pv.NOT_TRIED) + 1 + 2 and not (tmp_path / "o").exists()
+    for name in variants:
+        assert re.search(rf"^# not tried: {name} \(.*\): the GPTQ quant site is not installed here: no "
+                         rf"{tmp_path}/qs/{re.escape(pv.QUANT_MARKER)}", res.stdout, flags=re.M), name
     assert re.search(rf"^# not tried: mtp-long \(.*\): FlashInfer is not installed here: no {tmp_path}/fi/"
                      rf"{re.escape(pv.FLASHINFER_MARKER)}", res.stdout, flags=re.M)
 
@@ -250,6 +258,7 @@ def test_the_run_wires_boot_measure_stop_and_the_report(tmp_path, monkeypatch):
     monkeypatch.setattr(sm, "expected_chain", lambda d, ids: baseline[ids[0]]["token_ids"])  # prompt i's answer
     monkeypatch.setattr(pv, "make_drafter", lambda *a: None)
     monkeypatch.setattr(pv, "flashinfer_missing", lambda *a: None)  # FlashInfer installed: mtp-long boots too
+    monkeypatch.setattr(pv, "build_variants", lambda *a: {})  # #19's drafters built: their configs boot too
     rendered = {p.vc.name: p for p in pv.render(_args(), tmp_path, None)}
     stopped = []
 
@@ -471,3 +480,96 @@ def test_pack_script_brings_back_the_visit_so_far_without_the_caches(tmp_path):
     assert len(logs) == 2_000_000  # the server log's tail only
     bad = subprocess.run(["bash", str(script), str(out), "--caches"], env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "only --no-cache" in bad.stderr
+
+
+@pytest.fixture(scope="module")
+def scripted_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny scripted checkpoint deep enough for a DFlash2 drafter (its 5 taps), with the design's draft ids, and
+    that drafter: what the visit generates at full size."""
+    from qwen_serving.checkpoint import scripted_dflash2, synth
+
+    root = tmp_path_factory.mktemp("variants")
+    ckpt, drafter = root / "scripted", root / "scripted-dflash2"
+    assert synth.main(["--size", "tiny", "--layers", "8", "--out", str(ckpt), "--seed", "0", "--behaviour", "scripted",
+                       "--draft-coverage", "0.975"]) == 0
+    assert scripted_dflash2.main([str(ckpt), "--out", str(drafter), "--agree", "0.7", "--seed", "0"]) == 0
+    return ckpt, drafter
+
+
+def test_the_variants_build_beside_their_sources_and_the_plans_serve_them(scripted_pair, tmp_path, vllm_cli):
+    """#19's build on the CPU (round-to-nearest for GPTQ: the quant venv is not here; the CPU for CUDA): the fast
+    variant passes prepare_status with the single-user plan's prepared steps, the W4A16 drafter is written, nothing
+    of the sources changes, and the two configs serve what was built."""
+    from tests.helpers.tiny_checkpoint import tree_state
+
+    ckpt, drafter = scripted_pair
+    before = (tree_state(ckpt), tree_state(drafter))
+    args = _args(ckpt=ckpt, drafter=drafter, python=sys.executable)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = tmp_path / "out"
+    out.mkdir()
+    done = pv.make_variants(args, env, out, pv.Budget(600), ["fast", "w4a16"], method="rtn", device="cpu", prompts=6)
+    assert list(done["steps_s"]) == [name for name, _, _ in pv.variant_steps(args, out, ["fast", "w4a16"])]
+    assert "| `lm_head` |" in done["fast_error_table"] and "| `fc` |" in done["w4a16_error_table"]
+    assert (tree_state(ckpt), tree_state(drafter)) == before
+    status = subprocess.run([sys.executable, "-m", "qwen_serving.checkpoint.prepare_status", str(pv.fast_dir(args))],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stdout + status.stderr
+    for line in ("PASS embed_tokens: int8", "PASS draft head:", "PASS fast variant: local rtn"):
+        assert line in status.stdout, status.stdout
+    assert (pv.w4a16_dir(args) / "config.json").is_file()
+    again = pv.make_variants(args, env, out, pv.Budget(600), ["fast", "w4a16"], method="rtn", device="cpu", prompts=6)
+    assert again["steps_s"] == {}  # built already: kept
+    served = {p.vc.name: p for p in pv.render(args, out, None, {}) if p.vc.variant}
+    assert vllm_cli.serve(served["single-fast"].cmd.argv)[0].model_tag == str(pv.fast_dir(args))
+    assert served["single-fast"].cmd.env["VLLM_MTP_DRAFT_VOCAB"] == "1"  # the draft head the prepare step built
+    assert vllm_cli.serve(served["dflash2-w4a16"].cmd.argv)[1].speculative_config["model"] == str(pv.w4a16_dir(args))
+
+
+def test_gptq_runs_from_the_quant_site_and_the_rest_from_the_stack():
+    steps = pv.variant_steps(_args(), Path("/out"), ["fast", "w4a16"])
+    assert [(name, quant) for name, _, quant in steps] == [
+        ("fast: capture", False), ("fast: quantize", True), ("fast: quant_embed", False),
+        ("fast: build_draft_vocab", False), ("w4a16: capture", False), ("w4a16: quantize", True)]
+    assert all(argv[argv.index("--device") + 1] == "cuda" for name, argv, _ in steps if name.endswith("capture"))
+    assert all(argv[argv.index("--method") + 1] == "gptq" for name, argv, _ in steps if name.endswith("quantize"))
+    assert steps[1][1][steps[1][1].index("--out") + 1] == "/ckpt/raw-fast"
+    assert steps[5][1][:3] == ["drafter/quantize.py", str(DRAFTER), "--dflash2"]
+
+
+def test_a_variant_that_fails_to_build_is_not_tried_and_leaves_the_other(tmp_path, monkeypatch):
+    rec = sm.Record(tmp_path / pv.REPORT, {"phases_s": {}, "errors": {}})
+    assert pv.build_variants(_args(), {}, tmp_path, pv.Budget(60), rec) == {
+        v: pv.quant_missing(Path("/qs")) for v in ("fast", "w4a16")}
+    assert pv.build_variants(_args(plans=["single"]), {}, tmp_path, pv.Budget(60), rec) == {}  # none wanted
+    (tmp_path / "qs").mkdir()
+    (tmp_path / "qs" / pv.QUANT_MARKER).touch()
+
+    def make(args, env, out, budget, variants):
+        if variants == ["fast"]:
+            raise sm.CheckpointError("fast: capture failed")
+        return {"steps_s": {"w4a16: capture": 1.0}}
+
+    monkeypatch.setattr(pv, "make_variants", make)
+    missing = pv.build_variants(_args(quant_site=tmp_path / "qs"), {}, tmp_path, pv.Budget(60), rec)
+    assert missing == {"fast": "not built here: fast: capture failed"}
+    assert rec.data["variants"] == {"w4a16": {"steps_s": {"w4a16: capture": 1.0}}}
+    assert "fast: capture failed" in rec.data["errors"]["variants: fast"]
+    planned = {p.vc.name: p for p in pv.render(_args(), Path("/out"), None, missing)}
+    assert planned["single-fast"].cmd is None and planned["single-fast"].unavailable == missing["fast"]
+    assert planned["dflash2-w4a16"].cmd is not None
+
+
+def test_a_variants_greedy_acceptance_is_judged_against_its_sources_server():
+    def server(per_position):
+        return {"greedy": {"spec": {"per_position_acceptance": per_position}}}
+
+    data = {"servers": {}, "measurements": {"single": server([0.76, 0.58, 0.44, 0.33]),
+                                            "single-fast": server([0.75, 0.59, 0.43, 0.33]),
+                                            "dflash2": server([0.9] * 7), "dflash2-w4a16": server([0.9] * 6 + [0.87])}}
+    checks = pv.judge(data, {}, None, [])
+    fast = checks["single-fast: greedy acceptance per position within 2% of single's"]
+    assert fast["passed"] and fast["difference"] == [-0.01, 0.01, -0.01, 0.0]
+    assert not checks["dflash2-w4a16: greedy acceptance per position within 2% of dflash2's"]["passed"]  # 3 points
+    del data["measurements"]["single"]
+    assert not any(name.startswith("single-fast: greedy acceptance") for name in pv.judge(data, {}, None, []))

@@ -6,7 +6,10 @@ leaves on a 24 GB card (the plan's own pin for SPEC=dflash2, else the memory mod
 24 GB card). Run in visits 13 and 14 (bench/README.md, "Product plans"). `mtp-long` (SPEC=mtp CTX=long: fp8 KV on
 FlashInfer, issue #20 item 1) is planned only where tests/gpu/install-flashinfer.sh has installed FlashInfer beside the
 stack (--flashinfer-site) and it imports (flashinfer_missing); elsewhere the report lists it under `not_tried` and
-`skipped`, with why. Only that server gets FlashInfer's site on its PYTHONPATH and its bin on its PATH.
+`skipped`, with why. Only that server gets FlashInfer's site on its PYTHONPATH and its bin on its PATH. Issue #19's two
+configs (`single-fast`, `dflash2-w4a16`) serve drafters built on the device before any server boots (make_variants:
+drafter/capture.py on the GPU, then drafter/quantize.py's GPTQ from the quant site tests/gpu/install-quant.sh
+installs, --quant-site); where that site is not installed they are listed under `not_tried`.
 
 Order (what a budget cut leaves out last to first):
 1. every config boots (a boot is a Must-show): CONFIGS in priority order, packed first-fit into waves whose memory
@@ -63,6 +66,13 @@ from qwen_serving import memory, plan  # noqa: E402
 
 REPORT = "product-visit.json"
 FLASHINFER_MARKER = ".qs-flashinfer"  # tests/gpu/install-flashinfer.sh writes it once its checks pass
+QUANT_MARKER = ".qs-quant"  # tests/gpu/install-quant.sh writes it once GPTQ imports beside the stack
+# issue #19: the drafters built here, each served beside the config it is compared with (greedy acceptance per
+# position within ACCEPTANCE_POINTS of that server's; `single` holds the prepared copy's int8 MTP module, whose
+# greedy acceptance equalled the bf16 module's exact greedy walk in scripted runs 3 to 6, `dflash2` the bf16 drafter)
+VARIANT_BASE = {"single-fast": "single", "dflash2-w4a16": "dflash2"}
+ACCEPTANCE_POINTS = 0.02
+VARIANT_PROMPTS = 80  # drafter/capture.py's prompts: 64 calibration, 16 held out (drafter/README.md's table)
 SCHEMA = "qwen-serving product-visit/1"
 GiB, MiB = memory.GiB, memory.MiB
 # the card the pools are pinned for: a headless 24 GB card's free VRAM (docs/long-context.md's table)
@@ -87,7 +97,7 @@ BOOT_S = {"first": 330, "later": 260}  # visit 9: four servers up after 313 s wi
 # a wave that holds one (nothing measured on the device).
 FLASHINFER_JIT_S = 240
 STOP_S = 30
-LIMITS = {"synth": 420, "prepare": 420, "drafter": 300, "boot": 600, "greedy": 240, "api": 240, "quote25k": 240,
+LIMITS = {"synth": 420, "prepare": 420, "drafter": 300, "variant_step": 600, "boot": 600, "greedy": 240, "api": 240, "quote25k": 240,
           "max_request": 1200, "soak": 380, "labd_soak": 240, "residue": 420, "retrieval": 480,
           "quality": 120, "real_rep": 240, "prefill_ab": 300}
 # visits 13-14 took: greedy 7-14 s (mtp-huge 50), api 6-9, quote25k 11-15, soak 100-115 (180 s budget then),
@@ -118,6 +128,7 @@ class VisitConfig:
     raw_logits: bool = False  # --logprobs-mode raw_logits: the near-tie rule; api_smoke's logprob checks need it off
     api_key: bool = False  # served with VISIT_API_KEY: the soak's wrong- and missing-key kinds run against it
     flashinfer: bool = False  # its plan serves on FlashInfer: planned only where flashinfer_missing() finds nothing
+    variant: str = ""  # issue #19: "fast", the fast variant built here is its checkpoint; "w4a16", the drafter built here
 
     def bench_config(self) -> fb.BenchConfig:
         extra = fb.RAW_LOGITS if self.raw_logits else ()
@@ -157,6 +168,11 @@ CONFIGS: tuple[VisitConfig, ...] = (
     # last, so that the configs before it keep their ports
     VisitConfig("mtp-long", "single", {"SPEC": "mtp", "CTX": "long"}, ("#20",),
                 "SPEC=mtp CTX=long: fp8 KV on FlashInfer, 150,000 tokens, 3 drafts", flashinfer=True),
+    VisitConfig("single-fast", "single", {}, ("#19",), "the single-user plan on the fast variant built here "
+                "(drafter/: GPTQ int4 lm_head and MTP module, then the int8 embedding and the draft head)",
+                variant="fast"),
+    VisitConfig("dflash2-w4a16", "single", _dflash2(), ("#19",),
+                "SPEC=dflash2 with the W4A16 drafter built here (drafter/: GPTQ of its 36 matrices)", variant="w4a16"),
 )
 BY_NAME = {c.name: c for c in CONFIGS}
 # What the issues ask that this visit does not try, and why (recorded in every report).
@@ -164,8 +180,6 @@ NOT_TRIED = {
     "CTX=long with SPEC=off": "the same fp8 KV on FlashInfer as mtp-long (which serves CTX=long's 150k request where "
     "FlashInfer is installed: tests/gpu/install-flashinfer.sh), without the drafts; CTX=long is also tried with "
     "SPEC=dflash2 (int8 per-token-head on Triton), whose plan caps max_model_len at 131,072",
-    "#19 the W4A16 DFlash2 drafter": "drafter/quantize.py --dflash2 needs the GPTQ quantization venv, which is not "
-    "staged offline; no round-to-nearest stand-in is built here",
 }
 # The expensive parts, in the order they run (within a wave: those of its servers).
 EXPENSIVE_ORDER: tuple[tuple[str, str], ...] = (
@@ -309,16 +323,101 @@ def flashinfer_missing(python: str, site: Path, fi_site: Path, environ: Mapping[
     return None
 
 
+def quant_missing(quant_site: Path) -> str | None:
+    """Why #19's drafters cannot be built here, or None: tests/gpu/install-quant.sh's marker (GPTQ imports with the
+    quant site first, the serving stack alone is unchanged)."""
+    marker = quant_site / QUANT_MARKER
+    if not marker.is_file():
+        return (f"the GPTQ quant site is not installed here: no {marker} (tests/gpu/stage-quant.sh, "
+                "install-quant.sh)")
+    return None
+
+
+def fast_dir(args: argparse.Namespace) -> Path:
+    return args.ckpt.with_name(args.ckpt.name + "-fast")  # drafter/quantize.py's default: <base>-fast
+
+
+def w4a16_dir(args: argparse.Namespace) -> Path:
+    return args.drafter.with_name(args.drafter.name + "-W4A16")  # drafter/quantize.py --dflash2's default
+
+
+def served_ckpt(args: argparse.Namespace, vc: VisitConfig) -> Path:
+    return fast_dir(args) if vc.variant == "fast" else args.prepared_ckpt
+
+
+def served_drafter(args: argparse.Namespace, vc: VisitConfig) -> Path:
+    return w4a16_dir(args) if vc.variant == "w4a16" else args.drafter
+
+
+def variant_steps(args: argparse.Namespace, out: Path, variants: Sequence[str], method: str = "gptq",
+                  device: str = "cuda", prompts: int = VARIANT_PROMPTS) -> list[tuple[str, list[str], bool]]:
+    """(name, argv, on the quant site) of what builds each variant, in order: the capture on the GPU over the scripted
+    checkpoint (its bf16 MTP module and lm_head; with --dflash2, the bf16 drafter too), GPTQ, and for the fast variant
+    the prepare steps the single-user plan takes from a prepared copy (the int8 embedding, the draft head from the
+    design's id list; its lm_head and MTP module are the int4 ones). method "rtn" (round-to-nearest, any venv),
+    device "cpu" and a few prompts are the CPU test's."""
+    from qwen_serving.checkpoint import scripted
+
+    ckpt, n = str(args.ckpt), str(prompts)
+    steps: list[tuple[str, list[str], bool]] = []
+    if "fast" in variants:
+        fast, capture = fast_dir(args), out / "fast-capture.safetensors"
+        steps += [("fast: capture", ["drafter/capture.py", ckpt, "--device", device, "--max-prompts", n,
+                                     "--out", str(capture)], False),
+                  ("fast: quantize", ["drafter/quantize.py", ckpt, "--capture", str(capture), "--out", str(fast),
+                                      "--method", method, "--table", str(out / "fast-error-table.md")],
+                   method == "gptq"),
+                  ("fast: quant_embed", ["prepare/quant_embed.py", str(fast)], False),
+                  ("fast: build_draft_vocab", ["prepare/build_draft_vocab.py", str(fast), "--ids",
+                                               str(args.ckpt / scripted.DRAFT_IDS_FILE)], False)]
+    if "w4a16" in variants:
+        capture = out / "dflash2-capture.safetensors"
+        steps += [("w4a16: capture", ["drafter/capture.py", ckpt, "--dflash2", str(args.drafter), "--device", device,
+                                      "--max-prompts", n, "--out", str(capture)], False),
+                  ("w4a16: quantize", ["drafter/quantize.py", str(args.drafter), "--dflash2", "--capture", str(capture),
+                                       "--out", str(w4a16_dir(args)), "--method", method,
+                                       "--table", str(out / "dflash2-error-table.md")],
+                   method == "gptq")]
+    return steps
+
+
+def make_variants(args: argparse.Namespace, env: Mapping[str, str], out: Path, budget: Budget,
+                  variants: Sequence[str], method: str = "gptq", device: str = "cuda",
+                  prompts: int = VARIANT_PROMPTS) -> dict:
+    """Issue #19's drafters, built on the device before any server holds the GPU (variant_steps), each step's log in
+    OUT/variants.log. Returns each step's seconds and the held-out error tables; a failed step raises
+    CheckpointError, and a variant already built (its directory there) is kept."""
+    quant_env = {**env, "PYTHONPATH": os.pathsep.join([str(args.quant_site), env.get("PYTHONPATH", "")])}
+    done: dict = {"steps_s": {}, "method": method, "device": device}
+    todo = [v for v in variants if not ((fast_dir(args) if v == "fast" else w4a16_dir(args)) / "config.json").exists()]
+    with open(out / "variants.log", "a") as f:
+        for name, argv, quant in variant_steps(args, out, todo, method, device, prompts):
+            t0 = time.monotonic()
+            log(f"variants: {name}")
+            try:
+                subprocess.run([args.python, *argv], cwd=REPO, env=dict(quant_env if quant else env), check=True,
+                               timeout=budget.within(LIMITS["variant_step"]) or 1, stdout=f, stderr=subprocess.STDOUT)
+            except subprocess.SubprocessError as err:
+                raise sm.CheckpointError(f"{name} failed: {err} (see variants.log)") from err
+            done["steps_s"][name] = round(time.monotonic() - t0, 1)
+    for v, table in (("fast", "fast-error-table.md"), ("w4a16", "dflash2-error-table.md")):
+        if v in variants and (out / table).is_file():
+            done[f"{v}_error_table"] = (out / table).read_text()
+    return done
+
+
 def server_pythonpath(args: argparse.Namespace, p: Planned) -> str:
     """The patched vllm first, then the stack; FlashInfer's site last, for the configs that serve on it only."""
     return os.pathsep.join([str(args.patched_site), str(args.site),
                             *([str(args.flashinfer_site)] if p.vc.flashinfer else [])])
 
 
-def render(args: argparse.Namespace, out: Path, flashinfer: str | None) -> list[Planned]:
+def render(args: argparse.Namespace, out: Path, flashinfer: str | None,
+           variants: Mapping[str, str] | None = None) -> list[Planned]:
     """Every config (or those --plans names) through the plan, each on its own port (base_port + its index in
     CONFIGS: never reused). `flashinfer` is flashinfer_missing()'s answer: a config that serves on FlashInfer is
-    rendered only when it is None, else it is left unavailable with that reason."""
+    rendered only when it is None, else it is left unavailable with that reason; `variants` says why a #19 variant
+    is not there (quant_missing's answer, or its build's failure), and its configs are left unavailable likewise."""
     probe = plan.Probe.detect(REPO)
     planned = []
     for i, vc in enumerate(CONFIGS):
@@ -329,10 +428,14 @@ def render(args: argparse.Namespace, out: Path, flashinfer: str | None) -> list[
         if vc.flashinfer and flashinfer is not None:
             p.unavailable = flashinfer
             continue
-        cfg = dataclasses.replace(vc.bench_config(), knobs=knobs_for(vc, args.drafter))
+        if vc.variant and (variants or {}).get(vc.variant):
+            p.unavailable = variants[vc.variant]
+            continue
+        drafter = served_drafter(args, vc)
+        cfg = dataclasses.replace(vc.bench_config(), knobs=knobs_for(vc, drafter))
         try:
-            p.served = fb.serve_plan(cfg, ckpt=args.prepared_ckpt, port=p.port, traces=out / f"traces-{vc.name}",
-                                     probe=probe, will_create={str(args.drafter)})
+            p.served = fb.serve_plan(cfg, ckpt=served_ckpt(args, vc), port=p.port, traces=out / f"traces-{vc.name}",
+                                     probe=probe, will_create={str(drafter)})
             p.cmd = fb.command_of(cfg, p.served, python=args.python)
             if vc.api_key:  # vLLM reads it from the environment, as the launchers pass it
                 p.cmd = dataclasses.replace(p.cmd, env={**p.cmd.env, kn.SECRET_ENV: VISIT_API_KEY})
@@ -716,6 +819,12 @@ def judge(data: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], design,
             comparison = smoke_lib.compare_greedy(traces[ref], traces[other])
             checks[f"{other}: greedy token-identical to {ref}"] = {"passed": not comparison.unexplained,
                                                                    **comparison.summary()}
+    for name, base in VARIANT_BASE.items():
+        got, ref = (((meas.get(n, {}).get("greedy") or {}).get("spec") or {}).get("per_position_acceptance")
+                    for n in (name, base))
+        if got is not None and ref is not None:
+            checks[f"{name}: greedy acceptance per position within {ACCEPTANCE_POINTS:.0%} of {base}'s"] = \
+                acceptance_within(got, ref, ACCEPTANCE_POINTS)
     pinned = {}
     for name in ("dflash2", "dflash2-lookup0"):  # one cache shape, one pin: the same pool on two boots
         tokens = (meas.get(name, {}).get("pool") or {}).get("measured_tokens")
@@ -730,6 +839,13 @@ def judge(data: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], design,
         checks["dflash2-k15: >= 13 tokens per step quoting 25k tokens"] = {
             "passed": k15["tokens_per_step"] >= 13, **k15, "decode_tok_s_against": against}
     return checks
+
+
+def acceptance_within(got: Sequence[float], ref: Sequence[float], points: float) -> dict:
+    """Per-position acceptance rates (vLLM's counters) of two servers at one k: each within `points` of the other."""
+    diff = [round(a - b, 4) for a, b in zip(got, ref, strict=False)]
+    return {"passed": len(got) == len(ref) > 0 and all(abs(d) <= points for d in diff), "per_position": list(got),
+            "against": list(ref), "difference": diff}
 
 
 def baseline_traces(design_dials: Mapping) -> tuple[list[smoke_lib.GreedyTrace] | None, str]:
@@ -753,6 +869,30 @@ def make_drafter(args: argparse.Namespace, env: Mapping[str, str], out: Path, bu
         subprocess.run([args.python, "-m", "qwen_serving.checkpoint.scripted_dflash2", str(args.ckpt), "--out",
                         str(args.drafter), "--agree", str(DRAFTER_AGREE), "--seed", "0"], cwd=REPO, env=dict(env),
                        check=True, timeout=budget.within(LIMITS["drafter"]) or 1, stdout=f, stderr=subprocess.STDOUT)
+
+
+def wanted_variants(args: argparse.Namespace) -> list[str]:
+    return sorted({vc.variant for vc in CONFIGS if vc.variant and (not args.plans or vc.name in args.plans)})
+
+
+def build_variants(args: argparse.Namespace, env: Mapping[str, str], out: Path, budget: Budget,
+                   rec: sm.Record) -> dict[str, str]:
+    """The #19 variants the planned configs serve, one after the other (a failed one leaves the other); returns why
+    each missing one is missing, for render."""
+    wanted = wanted_variants(args)
+    why = quant_missing(args.quant_site) if wanted else None
+    if why:
+        return {v: why for v in wanted}
+    missing: dict[str, str] = {}
+    for variant in wanted:
+        t0 = budget.clock()
+        try:
+            rec.data.setdefault("variants", {})[variant] = make_variants(args, env, out, budget, [variant])
+        except (sm.CheckpointError, OSError) as err:
+            rec.data["errors"][f"variants: {variant}"] = f"{type(err).__name__}: {err}"
+            missing[variant] = f"not built here: {err}"
+        rec.phase(f"variants: {variant}", budget.clock() - t0)
+    return missing
 
 
 def run(args: argparse.Namespace) -> int:
@@ -784,6 +924,7 @@ def run(args: argparse.Namespace) -> int:
         rec.phase("checkpoint", budget.clock() - t0)
         return 1
     rec.phase("checkpoint, prepared copy, drafter", budget.clock() - t0)
+    variants_missing = build_variants(args, env, out, budget, rec)
     from qwen_serving.checkpoint.scripted import Design
 
     design = Design.read(args.ckpt)
@@ -795,7 +936,7 @@ def run(args: argparse.Namespace) -> int:
     if base is not None:
         traces[BASELINE_SERVER] = base
     ctx = Context(args, out, env, prompts)
-    planned = render(args, out, flashinfer_missing(args.python, args.site, args.flashinfer_site))
+    planned = render(args, out, flashinfer_missing(args.python, args.site, args.flashinfer_site), variants_missing)
     rec.data["not_tried"] = not_tried(planned)
     servers: dict[str, run_full.Server] = {}
 
@@ -867,7 +1008,9 @@ def run(args: argparse.Namespace) -> int:
 def dry_run(args: argparse.Namespace) -> int:
     """Every wave's server commands (as the static estimate packs them) and the parts plan, with the time each
     part is estimated to take and its limit; the plan's refusals; what is not tried."""
-    planned = render(args, args.out.resolve(), flashinfer_missing(args.python, args.site, args.flashinfer_site))
+    why = quant_missing(args.quant_site)
+    planned = render(args, args.out.resolve(), flashinfer_missing(args.python, args.site, args.flashinfer_site),
+                     {v: why for v in wanted_variants(args)} if why else None)
     for p in planned:
         if p.refusal:
             print(f"# {p.vc.name}: the plan refuses it: {p.refusal}")
@@ -909,6 +1052,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--flashinfer-site", type=Path, default=Path("/tmp/flashinfer-site"),
                    help="FlashInfer beside the stack (tests/gpu/install-flashinfer.sh; default %(default)s): the "
                         "FlashInfer configs are planned only when it is installed and imports")
+    p.add_argument("--quant-site", type=Path, default=Path("/tmp/quant-site"),
+                   help="the GPTQ quant site beside the stack (tests/gpu/install-quant.sh; default %(default)s): "
+                        "issue #19's configs are planned only where it is installed")
     p.add_argument("--drafter", type=Path, default=Path("/tmp/qwen-scripted-dflash2"),
                    help="the scripted DFlash2 drafter, generated here if missing (default %(default)s)")
     p.add_argument("--base-port", type=int, default=18100, help="config i listens on base + i")

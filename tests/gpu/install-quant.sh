@@ -5,8 +5,9 @@
 # unchanged. The wheels come from .whl/quant/ when carried whole, else from the parts $STAGE/quant.NN (copied
 # there like the stack's chunks; tests/gpu/README.md). Afterwards drafter/quantize.py runs as
 #   PYTHONPATH=/tmp/quant-site:/tmp/site python3 drafter/quantize.py ...
-# Exit: 0 ok; 11 no wheels or the install failed; 12 GPTQ or compressed-tensors 0.19.0 does not import with the
-# quant site; 13 the serving stack alone no longer imports vllm with compressed-tensors 0.17.0.
+# Exit: 0 ok ($QUANT_SITE/.qs-quant written); 11 no wheels or the install failed; 12 GPTQ or compressed-tensors
+# 0.19.0 does not import with the quant site; 13 the serving stack alone no longer imports vllm with
+# compressed-tensors 0.17.0.
 set -uo pipefail
 SITE="${SITE:-/tmp/site}"; QUANT_SITE="${QUANT_SITE:-/tmp/quant-site}"; STAGE="${STAGE:-/tmp/stage}"
 say() { printf '[install-quant] %s\n' "$*"; }
@@ -40,3 +41,4 @@ import vllm, compressed_tensors
 print(vllm.__version__, compressed_tensors.__version__)' 2>&1 | tail -n 1)
 [ "$got" = "0.28.0 0.17.0" ] || fail 13 "$SITE alone, vllm and compressed-tensors: got '$got', want '0.28.0 0.17.0'"
 say "serving stack unchanged: vllm 0.28.0 with compressed-tensors 0.17.0 from $SITE"
+touch "$QUANT_SITE/.qs-quant"  # bench/gpu/product_visit.py builds issue #19's drafters only where this is

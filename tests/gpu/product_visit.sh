@@ -4,7 +4,8 @@
 #   setsid nohup bash tests/gpu/product_visit.sh > /tmp/visit.log 2>&1 < /dev/null &
 # 1. the patch series on a copy of vllm in $PATCHED_SITE ($SITE stays stock; visit_prepare.sh);
 # 1a. FlashInfer beside the stack when its parts are staged (tests/gpu/install-flashinfer.sh, log
-#    /tmp/visit-flashinfer.log): bench/gpu/product_visit.py plans mtp-long only where it passed;
+#    /tmp/visit-flashinfer.log): bench/gpu/product_visit.py plans mtp-long only where it passed; likewise the GPTQ
+#    quant site (tests/gpu/install-quant.sh, log /tmp/visit-quant.log) for issue #19's single-fast and dflash2-w4a16;
 # 1b. bench/kernels.py --only $QS_KERNELS (default lookup; none skips it) into /tmp/product-out, GPU still idle;
 # 1c. (QS_GPU_TESTS, default none) those GPU tests, also before any server holds the GPU, within what is left of the
 #    budget and at most $QS_VISIT_TESTS_LIMIT_S seconds (default 300), results in /tmp/visit-tests, log
@@ -26,6 +27,10 @@ source tests/gpu/visit_prepare.sh  # log(), step 1 and the environment
 if compgen -G "${STAGE:-/tmp/stage}/flashinfer.[0-9]*" > /dev/null || compgen -G ".whl/flashinfer/*.whl" > /dev/null; then
   bash tests/gpu/install-flashinfer.sh > /tmp/visit-flashinfer.log 2>&1
   log "1a. FlashInfer install exit $?: $(tail -n 1 /tmp/visit-flashinfer.log)"
+fi
+if compgen -G "${STAGE:-/tmp/stage}/quant.[0-9]*" > /dev/null || compgen -G ".whl/quant/*.whl" > /dev/null; then
+  bash tests/gpu/install-quant.sh > /tmp/visit-quant.log 2>&1
+  log "1a. quant site install exit $?: $(tail -n 1 /tmp/visit-quant.log)"
 fi
 budget_s="${QS_PRODUCT_BUDGET_S:-$(( ${QS_DEVICE_LEFT_S:-1380} - ($(date +%s) - VISIT_T0) ))}"
 BUDGET_T0=$(date +%s)

@@ -535,6 +535,12 @@ def test_gptq_runs_from_the_quant_site_and_the_rest_from_the_stack():
     assert all(argv[argv.index("--method") + 1] == "gptq" for name, argv, _ in steps if name.endswith("quantize"))
     assert steps[1][1][steps[1][1].index("--out") + 1] == "/ckpt/raw-fast"
     assert steps[5][1][:3] == ["drafter/quantize.py", str(DRAFTER), "--dflash2"]
+    shape = pv.variant_steps(_args(), Path("/out"), ["shape"])  # the random checkpoint GPTQ is measured on
+    assert [(name, quant) for name, _, quant in shape] == [("shape: synth", False), ("shape: capture", False),
+                                                           ("shape: quantize", True)]
+    assert shape[0][1][:5] == ["-m", "qwen_serving.checkpoint.synth", "--size", "shape", "--layers"]
+    assert shape[2][1][1] == "/ckpt/qwen-shape-random" and pv.variant_dir(_args(), "shape") == Path(
+        "/ckpt/qwen-shape-random-fast")
 
 
 def test_a_variant_that_fails_to_build_is_not_tried_and_leaves_the_other(tmp_path, monkeypatch):
@@ -546,14 +552,18 @@ def test_a_variant_that_fails_to_build_is_not_tried_and_leaves_the_other(tmp_pat
     (tmp_path / "qs" / pv.QUANT_MARKER).touch()
 
     def make(args, env, out, budget, variants):
+        built.append(variants)
         if variants == ["fast"]:
             raise sm.CheckpointError("fast: capture failed")
         return {"steps_s": {"w4a16: capture": 1.0}}
 
+    built: list[list[str]] = []
     monkeypatch.setattr(pv, "make_variants", make)
     missing = pv.build_variants(_args(quant_site=tmp_path / "qs"), {}, tmp_path, pv.Budget(60), rec)
     assert missing == {"fast": "not built here: fast: capture failed"}
-    assert rec.data["variants"] == {"w4a16": {"steps_s": {"w4a16: capture": 1.0}}}
+    assert rec.data["variants"] == {"w4a16": {"steps_s": {"w4a16: capture": 1.0}},
+                                    "shape": {"steps_s": {"w4a16: capture": 1.0}}}  # the table serves no config
+    assert built == [["fast"], ["w4a16"], ["shape"]]
     assert "fast: capture failed" in rec.data["errors"]["variants: fast"]
     planned = {p.vc.name: p for p in pv.render(_args(), Path("/out"), None, missing)}
     assert planned["single-fast"].cmd is None and planned["single-fast"].unavailable == missing["fast"]
@@ -573,3 +583,10 @@ def test_a_variants_greedy_acceptance_is_judged_against_its_sources_server():
     assert not checks["dflash2-w4a16: greedy acceptance per position within 2% of dflash2's"]["passed"]  # 3 points
     del data["measurements"]["single"]
     assert not any(name.startswith("single-fast: greedy acceptance") for name in pv.judge(data, {}, None, []))
+    table = "#19: GPTQ below round-to-nearest on every matrix (random shape checkpoint, held-out rows)"
+    rows = [{"module": "lm_head"}, {"module": "mtp.fc"}]
+    for not_lower, passed in (([], True), (["mtp.fc"], False)):
+        data["variants"] = {"shape": {"shape_held_out_error": rows, "shape_gptq_not_lower": not_lower}}
+        assert pv.judge(data, {}, None, [])[table] == {"passed": passed, "not_lower": not_lower, "matrices": 2}
+    data["variants"] = {"shape": {"shape_held_out_error": rows, "shape_gptq_not_lower": None}}  # rtn: no GPTQ
+    assert table not in pv.judge(data, {}, None, [])

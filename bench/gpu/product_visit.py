@@ -341,6 +341,12 @@ def w4a16_dir(args: argparse.Namespace) -> Path:
     return args.drafter.with_name(args.drafter.name + "-W4A16")  # drafter/quantize.py --dflash2's default
 
 
+def shape_dir(args: argparse.Namespace) -> Path:
+    """The random `shape` checkpoint (every real matrix shape, 4 layers) whose drafter matrices GPTQ is measured on
+    against round-to-nearest (issue #19's table; the scripted one's designed MTP has exact and zero matrices)."""
+    return args.ckpt.with_name("qwen-shape-random")
+
+
 def served_ckpt(args: argparse.Namespace, vc: VisitConfig) -> Path:
     return fast_dir(args) if vc.variant == "fast" else args.prepared_ckpt
 
@@ -354,8 +360,9 @@ def variant_steps(args: argparse.Namespace, out: Path, variants: Sequence[str], 
     """(name, argv, on the quant site) of what builds each variant, in order: the capture on the GPU over the scripted
     checkpoint (its bf16 MTP module and lm_head; with --dflash2, the bf16 drafter too), GPTQ, and for the fast variant
     the prepare steps the single-user plan takes from a prepared copy (the int8 embedding, the draft head from the
-    design's id list; its lm_head and MTP module are the int4 ones). method "rtn" (round-to-nearest, any venv),
-    device "cpu" and a few prompts are the CPU test's."""
+    design's id list; its lm_head and MTP module are the int4 ones). "shape": the random `shape` checkpoint, its
+    capture and its fast variant, for GPTQ's held-out error against round-to-nearest on every real matrix shape.
+    method "rtn" (round-to-nearest, any venv), device "cpu" and a few prompts are the CPU test's."""
     from qwen_serving.checkpoint import scripted
 
     ckpt, n = str(args.ckpt), str(prompts)
@@ -378,7 +385,25 @@ def variant_steps(args: argparse.Namespace, out: Path, variants: Sequence[str], 
                                        "--out", str(w4a16_dir(args)), "--method", method,
                                        "--table", str(out / "dflash2-error-table.md")],
                    method == "gptq")]
+    if "shape" in variants:
+        shape, capture = shape_dir(args), out / "shape-capture.safetensors"
+        steps += [("shape: synth", ["-m", "qwen_serving.checkpoint.synth", "--size", "shape", "--layers", "4",
+                                    "--out", str(shape), "--seed", "0", "--device", device], False),
+                  ("shape: capture", ["drafter/capture.py", str(shape), "--device", device, "--max-prompts", n,
+                                      "--out", str(capture)], False),
+                  ("shape: quantize", ["drafter/quantize.py", str(shape), "--capture", str(capture),
+                                       "--out", str(variant_dir(args, "shape")), "--method", method,
+                                       "--table", str(out / "shape-error-table.md")], method == "gptq")]
     return steps
+
+
+def variant_dir(args: argparse.Namespace, variant: str) -> Path:
+    """What a variant's build leaves: the directory whose config.json says it is built."""
+    if variant == "fast":
+        return fast_dir(args)
+    if variant == "w4a16":
+        return w4a16_dir(args)
+    return shape_dir(args).with_name(shape_dir(args).name + "-fast")
 
 
 def make_variants(args: argparse.Namespace, env: Mapping[str, str], out: Path, budget: Budget,
@@ -389,7 +414,7 @@ def make_variants(args: argparse.Namespace, env: Mapping[str, str], out: Path, b
     CheckpointError, and a variant already built (its directory there) is kept."""
     quant_env = {**env, "PYTHONPATH": os.pathsep.join([str(args.quant_site), env.get("PYTHONPATH", "")])}
     done: dict = {"steps_s": {}, "method": method, "device": device}
-    todo = [v for v in variants if not ((fast_dir(args) if v == "fast" else w4a16_dir(args)) / "config.json").exists()]
+    todo = [v for v in variants if not (variant_dir(args, v) / "config.json").exists()]
     with open(out / "variants.log", "a") as f:
         for name, argv, quant in variant_steps(args, out, todo, method, device, prompts):
             t0 = time.monotonic()
@@ -400,9 +425,17 @@ def make_variants(args: argparse.Namespace, env: Mapping[str, str], out: Path, b
             except subprocess.SubprocessError as err:
                 raise sm.CheckpointError(f"{name} failed: {err} (see variants.log)") from err
             done["steps_s"][name] = round(time.monotonic() - t0, 1)
-    for v, table in (("fast", "fast-error-table.md"), ("w4a16", "dflash2-error-table.md")):
+    for v, table in (("fast", "fast-error-table.md"), ("w4a16", "dflash2-error-table.md"),
+                     ("shape", "shape-error-table.md")):
         if v in variants and (out / table).is_file():
             done[f"{v}_error_table"] = (out / table).read_text()
+    if "shape" in variants:
+        from qwen_serving.checkpoint import drafter_quantize
+        from qwen_serving.checkpoint.model_dir import ModelDir
+
+        rows = ModelDir.open(variant_dir(args, "shape")).manifest()["steps"]["fast_variant"]["held_out_error"]
+        done["shape_held_out_error"] = rows
+        done["shape_gptq_not_lower"] = drafter_quantize.gptq_beats_rtn(rows) if method == "gptq" else None
     return done
 
 
@@ -819,6 +852,11 @@ def judge(data: dict, traces: Mapping[str, list[smoke_lib.GreedyTrace]], design,
             comparison = smoke_lib.compare_greedy(traces[ref], traces[other])
             checks[f"{other}: greedy token-identical to {ref}"] = {"passed": not comparison.unexplained,
                                                                    **comparison.summary()}
+    shape = (data.get("variants") or {}).get("shape") or {}
+    if shape.get("shape_gptq_not_lower") is not None:
+        checks["#19: GPTQ below round-to-nearest on every matrix (random shape checkpoint, held-out rows)"] = {
+            "passed": not shape["shape_gptq_not_lower"], "not_lower": shape["shape_gptq_not_lower"],
+            "matrices": len(shape.get("shape_held_out_error") or [])}
     for name, base in VARIANT_BASE.items():
         got, ref = (((meas.get(n, {}).get("greedy") or {}).get("spec") or {}).get("per_position_acceptance")
                     for n in (name, base))
@@ -884,13 +922,14 @@ def build_variants(args: argparse.Namespace, env: Mapping[str, str], out: Path, 
     if why:
         return {v: why for v in wanted}
     missing: dict[str, str] = {}
-    for variant in wanted:
+    for variant in [*wanted, *(["shape"] if "fast" in wanted else [])]:  # the shape table after what is served
         t0 = budget.clock()
         try:
             rec.data.setdefault("variants", {})[variant] = make_variants(args, env, out, budget, [variant])
-        except (sm.CheckpointError, OSError) as err:
+        except (sm.CheckpointError, OSError, KeyError) as err:
             rec.data["errors"][f"variants: {variant}"] = f"{type(err).__name__}: {err}"
-            missing[variant] = f"not built here: {err}"
+            if variant != "shape":  # the table serves no config
+                missing[variant] = f"not built here: {err}"
         rec.phase(f"variants: {variant}", budget.clock() - t0)
     return missing
 

@@ -129,9 +129,10 @@ class VisitConfig:
     api_key: bool = False  # served with VISIT_API_KEY: the soak's wrong- and missing-key kinds run against it
     flashinfer: bool = False  # its plan serves on FlashInfer: planned only where flashinfer_missing() finds nothing
     variant: str = ""  # issue #19: "fast", the fast variant built here is its checkpoint; "w4a16", the drafter built here
+    extra_args: tuple[str, ...] = ()  # vLLM flags past the plan's (an experiment's), as a user's EXTRA_ARGS would pass them
 
     def bench_config(self) -> fb.BenchConfig:
-        extra = fb.RAW_LOGITS if self.raw_logits else ()
+        extra = (*(fb.RAW_LOGITS if self.raw_logits else ()), *self.extra_args)
         return fb.BenchConfig(f"product-{self.name}", True, dict(self.knobs), mode=self.mode, vllm_defaults=(),
                               runs=(), max_len=None, extra_args=extra, what=self.what)
 
@@ -173,6 +174,13 @@ CONFIGS: tuple[VisitConfig, ...] = (
                 variant="fast"),
     VisitConfig("dflash2-w4a16", "single", _dflash2(), ("#19",),
                 "SPEC=dflash2 with the W4A16 drafter built here (drafter/: GPTQ of its 36 matrices)", variant="w4a16"),
+    # What holds DFlash2's GPU memory beside its weights and pool (docs/memory.md, "DFlash2 at 8 seats"): visit 14's
+    # dflash2 server held ~7.4 GiB more than both, dflash2-huge (2 seats, Triton, int4 KV) ~3.0. One variable each:
+    VisitConfig("dflash2-seats2", "single", _dflash2(MAX_SEQS="2"), ("#18",),
+                "SPEC=dflash2 at 2 seats (CTX=fast, FlashAttention, bf16 KV): the seats against the KV backend"),
+    VisitConfig("dflash2-graphs32", "single", _dflash2(), ("#18",),
+                "SPEC=dflash2 at 8 seats with CUDA graphs captured up to 32 tokens (dflash2-huge's sizes): the graphs",
+                extra_args=("--compilation-config", json.dumps({"max_cudagraph_capture_size": 32}))),
 )
 BY_NAME = {c.name: c for c in CONFIGS}
 # What the issues ask that this visit does not try, and why (recorded in every report).

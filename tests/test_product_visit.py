@@ -509,7 +509,7 @@ def test_the_variants_build_beside_their_sources_and_the_plans_serve_them(script
     out = tmp_path / "out"
     out.mkdir()
     done = pv.make_variants(args, env, out, pv.Budget(600), ["fast", "w4a16"], method="rtn", device="cpu", prompts=6)
-    assert list(done["steps_s"]) == [name for name, _, _ in pv.variant_steps(args, out, ["fast", "w4a16"])]
+    assert list(done["steps_s"]) == [step.name for step in pv.variant_steps(args, out, ["fast", "w4a16"])]
     assert "| `lm_head` |" in done["fast_error_table"] and "| `fc` |" in done["w4a16_error_table"]
     assert (tree_state(ckpt), tree_state(drafter)) == before
     status = subprocess.run([sys.executable, "-m", "qwen_serving.checkpoint.prepare_status", str(pv.fast_dir(args))],
@@ -519,7 +519,7 @@ def test_the_variants_build_beside_their_sources_and_the_plans_serve_them(script
         assert line in status.stdout, status.stdout
     assert (pv.w4a16_dir(args) / "config.json").is_file()
     again = pv.make_variants(args, env, out, pv.Budget(600), ["fast", "w4a16"], method="rtn", device="cpu", prompts=6)
-    assert again["steps_s"] == {}  # built already: kept
+    assert list(again["steps_s"]) == ["fast: quant_embed", "fast: build_draft_vocab"]  # built: only the no-op steps
     served = {p.vc.name: p for p in pv.render(args, out, None, {}) if p.vc.variant}
     assert vllm_cli.serve(served["single-fast"].cmd.argv)[0].model_tag == str(pv.fast_dir(args))
     assert served["single-fast"].cmd.env["VLLM_MTP_DRAFT_VOCAB"] == "1"  # the draft head the prepare step built
@@ -528,18 +528,22 @@ def test_the_variants_build_beside_their_sources_and_the_plans_serve_them(script
 
 def test_gptq_runs_from_the_quant_site_and_the_rest_from_the_stack():
     steps = pv.variant_steps(_args(), Path("/out"), ["fast", "w4a16"])
-    assert [(name, quant) for name, _, quant in steps] == [
+    assert [(step.name, step.quant) for step in steps] == [
         ("fast: capture", False), ("fast: quantize", True), ("fast: quant_embed", False),
         ("fast: build_draft_vocab", False), ("w4a16: capture", False), ("w4a16: quantize", True)]
-    assert all(argv[argv.index("--device") + 1] == "cuda" for name, argv, _ in steps if name.endswith("capture"))
-    assert all(argv[argv.index("--method") + 1] == "gptq" for name, argv, _ in steps if name.endswith("quantize"))
-    assert steps[1][1][steps[1][1].index("--out") + 1] == "/ckpt/raw-fast"
-    assert steps[5][1][:3] == ["drafter/quantize.py", str(DRAFTER), "--dflash2"]
+    assert all(s.argv[s.argv.index("--device") + 1] == "cuda" for s in steps if s.name.endswith("capture"))
+    assert all(s.argv[s.argv.index("--method") + 1] == "gptq" for s in steps if s.name.endswith("quantize"))
+    assert steps[1].argv[steps[1].argv.index("--out") + 1] == "/ckpt/raw-fast"
+    assert steps[5].argv[:3] == ["drafter/quantize.py", str(DRAFTER), "--dflash2"]
+    # a step is skipped once its product is there, except the idempotent prepare steps
+    assert [s.made for s in steps] == [Path("/ckpt/raw-fast/config.json")] * 2 + [None] * 2 + [
+        Path(f"{DRAFTER}-W4A16/config.json")] * 2
     shape = pv.variant_steps(_args(), Path("/out"), ["shape"])  # the random checkpoint GPTQ is measured on
-    assert [(name, quant) for name, _, quant in shape] == [("shape: synth", False), ("shape: capture", False),
-                                                           ("shape: quantize", True)]
-    assert shape[0][1][:5] == ["-m", "qwen_serving.checkpoint.synth", "--size", "shape", "--layers"]
-    assert shape[2][1][1] == "/ckpt/qwen-shape-random" and pv.variant_dir(_args(), "shape") == Path(
+    assert [(s.name, s.quant) for s in shape] == [("shape: synth", False), ("shape: capture", False),
+                                                  ("shape: quantize", True)]
+    assert shape[0].argv[:5] == ["-m", "qwen_serving.checkpoint.synth", "--size", "shape", "--layers"]
+    assert shape[0].made == Path("/ckpt/qwen-shape-random/config.json")
+    assert shape[2].argv[1] == "/ckpt/qwen-shape-random" and pv.variant_dir(_args(), "shape") == Path(
         "/ckpt/qwen-shape-random-fast")
 
 

@@ -97,8 +97,8 @@ BOOT_S = {"first": 330, "later": 260}  # visit 9: four servers up after 313 s wi
 # a wave that holds one (nothing measured on the device).
 FLASHINFER_JIT_S = 240
 STOP_S = 30
-LIMITS = {"synth": 420, "prepare": 420, "drafter": 300, "variant_step": 600, "boot": 600, "greedy": 240, "api": 240, "quote25k": 240,
-          "max_request": 1200, "soak": 380, "labd_soak": 240, "residue": 420, "retrieval": 480,
+LIMITS = {"synth": 420, "prepare": 420, "drafter": 300, "variant_step": 600, "boot": 600, "greedy": 240, "api": 240,
+          "quote25k": 240, "max_request": 1200, "soak": 380, "labd_soak": 240, "residue": 420, "retrieval": 480,
           "quality": 120, "real_rep": 240, "prefill_ab": 300}
 # visits 13-14 took: greedy 7-14 s (mtp-huge 50), api 6-9, quote25k 11-15, soak 100-115 (180 s budget then),
 # labd_soak 22, residue 149-155 at 384-639-token prompts (1,024 and up now: past two blocks)
@@ -363,9 +363,17 @@ def served_drafter(args: argparse.Namespace, vc: VisitConfig) -> Path:
     return w4a16_dir(args) if vc.variant == "w4a16" else args.drafter
 
 
+@dataclass(frozen=True)
+class VariantStep:
+    name: str
+    argv: list[str]
+    quant: bool  # runs with the quant site first on its path (GPTQ)
+    made: Path | None  # a file whose presence means the step's product is there (None: the step is idempotent)
+
+
 def variant_steps(args: argparse.Namespace, out: Path, variants: Sequence[str], method: str = "gptq",
-                  device: str = "cuda", prompts: int = VARIANT_PROMPTS) -> list[tuple[str, list[str], bool]]:
-    """(name, argv, on the quant site) of what builds each variant, in order: the capture on the GPU over the scripted
+                  device: str = "cuda", prompts: int = VARIANT_PROMPTS) -> list[VariantStep]:
+    """What builds each variant, in order: the capture on the GPU over the scripted
     checkpoint (its bf16 MTP module and lm_head; with --dflash2, the bf16 drafter too), GPTQ, and for the fast variant
     the prepare steps the single-user plan takes from a prepared copy (the int8 embedding, the draft head from the
     design's id list; its lm_head and MTP module are the int4 ones). "shape": the random `shape` checkpoint, its
@@ -373,35 +381,37 @@ def variant_steps(args: argparse.Namespace, out: Path, variants: Sequence[str], 
     method "rtn" (round-to-nearest, any venv), device "cpu" and a few prompts are the CPU test's."""
     from qwen_serving.checkpoint import scripted
 
-    ckpt, n = str(args.ckpt), str(prompts)
-    steps: list[tuple[str, list[str], bool]] = []
+    ckpt, n, gptq = str(args.ckpt), str(prompts), method == "gptq"
+    steps: list[VariantStep] = []
     if "fast" in variants:
-        fast, capture = fast_dir(args), out / "fast-capture.safetensors"
-        steps += [("fast: capture", ["drafter/capture.py", ckpt, "--device", device, "--max-prompts", n,
-                                     "--out", str(capture)], False),
-                  ("fast: quantize", ["drafter/quantize.py", ckpt, "--capture", str(capture), "--out", str(fast),
-                                      "--method", method, "--table", str(out / "fast-error-table.md")],
-                   method == "gptq"),
-                  ("fast: quant_embed", ["prepare/quant_embed.py", str(fast)], False),
-                  ("fast: build_draft_vocab", ["prepare/build_draft_vocab.py", str(fast), "--ids",
-                                               str(args.ckpt / scripted.DRAFT_IDS_FILE)], False)]
+        fast, capture, built = fast_dir(args), out / "fast-capture.safetensors", fast_dir(args) / "config.json"
+        steps += [VariantStep("fast: capture", ["drafter/capture.py", ckpt, "--device", device, "--max-prompts", n,
+                                                "--out", str(capture)], False, built),
+                  VariantStep("fast: quantize", ["drafter/quantize.py", ckpt, "--capture", str(capture), "--out",
+                                                 str(fast), "--method", method, "--table",
+                                                 str(out / "fast-error-table.md")], gptq, built),
+                  VariantStep("fast: quant_embed", ["prepare/quant_embed.py", str(fast)], False, None),
+                  VariantStep("fast: build_draft_vocab", ["prepare/build_draft_vocab.py", str(fast), "--ids",
+                                                          str(args.ckpt / scripted.DRAFT_IDS_FILE)], False, None)]
     if "w4a16" in variants:
-        capture = out / "dflash2-capture.safetensors"
-        steps += [("w4a16: capture", ["drafter/capture.py", ckpt, "--dflash2", str(args.drafter), "--device", device,
-                                      "--max-prompts", n, "--out", str(capture)], False),
-                  ("w4a16: quantize", ["drafter/quantize.py", str(args.drafter), "--dflash2", "--capture", str(capture),
-                                       "--out", str(w4a16_dir(args)), "--method", method,
-                                       "--table", str(out / "dflash2-error-table.md")],
-                   method == "gptq")]
+        capture, built = out / "dflash2-capture.safetensors", w4a16_dir(args) / "config.json"
+        steps += [VariantStep("w4a16: capture", ["drafter/capture.py", ckpt, "--dflash2", str(args.drafter),
+                                                 "--device", device, "--max-prompts", n, "--out", str(capture)],
+                              False, built),
+                  VariantStep("w4a16: quantize", ["drafter/quantize.py", str(args.drafter), "--dflash2", "--capture",
+                                                  str(capture), "--out", str(w4a16_dir(args)), "--method", method,
+                                                  "--table", str(out / "dflash2-error-table.md")], gptq, built)]
     if "shape" in variants:
         shape, capture = shape_dir(args), out / "shape-capture.safetensors"
-        steps += [("shape: synth", ["-m", "qwen_serving.checkpoint.synth", "--size", "shape", "--layers", "4",
-                                    "--out", str(shape), "--seed", "0", "--device", device], False),
-                  ("shape: capture", ["drafter/capture.py", str(shape), "--device", device, "--max-prompts", n,
-                                      "--out", str(capture)], False),
-                  ("shape: quantize", ["drafter/quantize.py", str(shape), "--capture", str(capture),
-                                       "--out", str(variant_dir(args, "shape")), "--method", method,
-                                       "--table", str(out / "shape-error-table.md")], method == "gptq")]
+        built = variant_dir(args, "shape") / "config.json"
+        steps += [VariantStep("shape: synth", ["-m", "qwen_serving.checkpoint.synth", "--size", "shape", "--layers",
+                                               "4", "--out", str(shape), "--seed", "0", "--device", device], False,
+                              shape / "config.json"),
+                  VariantStep("shape: capture", ["drafter/capture.py", str(shape), "--device", device,
+                                                 "--max-prompts", n, "--out", str(capture)], False, built),
+                  VariantStep("shape: quantize", ["drafter/quantize.py", str(shape), "--capture", str(capture),
+                                                  "--out", str(variant_dir(args, "shape")), "--method", method,
+                                                  "--table", str(out / "shape-error-table.md")], gptq, built)]
     return steps
 
 
@@ -419,20 +429,23 @@ def make_variants(args: argparse.Namespace, env: Mapping[str, str], out: Path, b
                   prompts: int = VARIANT_PROMPTS) -> dict:
     """Issue #19's drafters, built on the device before any server holds the GPU (variant_steps), each step's log in
     OUT/variants.log. Returns each step's seconds and the held-out error tables; a failed step raises
-    CheckpointError, and a variant already built (its directory there) is kept."""
+    CheckpointError. A step whose product is there is skipped (a visit run again on the same machine); the
+    idempotent prepare steps run again, each a no-op once prepared.json records it."""
     quant_env = {**env, "PYTHONPATH": os.pathsep.join([str(args.quant_site), env.get("PYTHONPATH", "")])}
     done: dict = {"steps_s": {}, "method": method, "device": device}
-    todo = [v for v in variants if not (variant_dir(args, v) / "config.json").exists()]
     with open(out / "variants.log", "a") as f:
-        for name, argv, quant in variant_steps(args, out, todo, method, device, prompts):
+        for step in variant_steps(args, out, variants, method, device, prompts):
+            if step.made is not None and step.made.exists():
+                continue
             t0 = time.monotonic()
-            log(f"variants: {name}")
+            log(f"variants: {step.name}")
             try:
-                subprocess.run([args.python, *argv], cwd=REPO, env=dict(quant_env if quant else env), check=True,
-                               timeout=budget.within(LIMITS["variant_step"]) or 1, stdout=f, stderr=subprocess.STDOUT)
+                subprocess.run([args.python, *step.argv], cwd=REPO, env=dict(quant_env if step.quant else env),
+                               check=True, timeout=budget.within(LIMITS["variant_step"]) or 1, stdout=f,
+                               stderr=subprocess.STDOUT)
             except subprocess.SubprocessError as err:
-                raise sm.CheckpointError(f"{name} failed: {err} (see variants.log)") from err
-            done["steps_s"][name] = round(time.monotonic() - t0, 1)
+                raise sm.CheckpointError(f"{step.name} failed: {err} (see variants.log)") from err
+            done["steps_s"][step.name] = round(time.monotonic() - t0, 1)
     for v, table in (("fast", "fast-error-table.md"), ("w4a16", "dflash2-error-table.md"),
                      ("shape", "shape-error-table.md")):
         if v in variants and (out / table).is_file():

@@ -1,4 +1,4 @@
-"""The product's other plans on the scripted `full` checkpoint, in one GPU visit (issues #18, #20, #21, #23): the
+"""The product's other plans on the scripted `full` checkpoint, in one GPU visit (issues #18 to #23): the
 single-user and batch plans that never booted on a GPU (DFlash2 at 7 and 15 drafts with and without the lookup,
 CTX=long, CTX=huge, VISION=1, the two launchers' defaults), each built by the product's plan
 (bench.fullbench.server_command: `python -m qwen_serving.plan`'s argv) with its KV pool pinned to what the plan

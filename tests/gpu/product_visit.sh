@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One visit for the product's other plans on the scripted checkpoint (issues #18, #20, #21, #23), after the stack and
+# One visit for the product's other plans on the scripted checkpoint (issues #18 to #23), after the stack and
 # .whl/extra are staged (tests/gpu/README.md, "A product-plans visit"). Start detached:
 #   setsid nohup bash tests/gpu/product_visit.sh > /tmp/visit.log 2>&1 < /dev/null &
 # 1. the patch series on a copy of vllm in $PATCHED_SITE ($SITE stays stock; visit_prepare.sh);

@@ -484,16 +484,9 @@ def test_pack_script_brings_back_the_visit_so_far_without_the_caches(tmp_path):
 
 @pytest.fixture(scope="module")
 def scripted_pair(tmp_path_factory) -> tuple[Path, Path]:
-    """A tiny scripted checkpoint deep enough for a DFlash2 drafter (its 5 taps), with the design's draft ids, and
-    that drafter: what the visit generates at full size."""
-    from qwen_serving.checkpoint import scripted_dflash2, synth
+    from tests.helpers.tiny_checkpoint import make_scripted_with_drafter
 
-    root = tmp_path_factory.mktemp("variants")
-    ckpt, drafter = root / "scripted", root / "scripted-dflash2"
-    assert synth.main(["--size", "tiny", "--layers", "8", "--out", str(ckpt), "--seed", "0", "--behaviour", "scripted",
-                       "--draft-coverage", "0.975"]) == 0
-    assert scripted_dflash2.main([str(ckpt), "--out", str(drafter), "--agree", "0.7", "--seed", "0"]) == 0
-    return ckpt, drafter
+    return make_scripted_with_drafter(tmp_path_factory.mktemp("variants"))
 
 
 def test_the_variants_build_beside_their_sources_and_the_plans_serve_them(scripted_pair, tmp_path, vllm_cli):

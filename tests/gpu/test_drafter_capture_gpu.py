@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qwen_serving.checkpoint import drafter_capture, scripted_dflash2, synth
+from qwen_serving.checkpoint import drafter_capture
+from tests.helpers.tiny_checkpoint import make_scripted_with_drafter
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -29,12 +30,7 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("capture-gpu")
-    ckpt, drafter = root / "scripted", root / "scripted-dflash2"
-    assert synth.main(["--size", "tiny", "--layers", "8", "--out", str(ckpt), "--seed", "0", "--behaviour", "scripted",
-                       "--draft-coverage", "0.975"]) == 0
-    assert scripted_dflash2.main([str(ckpt), "--out", str(drafter), "--agree", "0.7", "--seed", "0"]) == 0
-    return ckpt, drafter
+    return make_scripted_with_drafter(tmp_path_factory.mktemp("capture-gpu"))
 
 
 def _compare(cpu: Path, cuda: Path) -> float:

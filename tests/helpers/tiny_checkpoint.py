@@ -27,6 +27,18 @@ def make_tiny(tmp_path_factory) -> Path:
     return path
 
 
+def make_scripted_with_drafter(root: Path) -> tuple[Path, Path]:
+    """A tiny scripted checkpoint deep enough for a DFlash2 drafter (8 layers: its 5 taps), with the design's draft
+    ids, and its scripted drafter, under `root`: what the GPU visits generate at full size."""
+    from qwen_serving.checkpoint import scripted_dflash2, synth
+
+    ckpt, drafter = root / "scripted", root / "scripted-dflash2"
+    assert synth.main(["--size", "tiny", "--layers", "8", "--out", str(ckpt), "--seed", "0", "--behaviour", "scripted",
+                       "--draft-coverage", "0.975"]) == 0
+    assert scripted_dflash2.main([str(ckpt), "--out", str(drafter), "--agree", "0.7", "--seed", "0"]) == 0
+    return ckpt, drafter
+
+
 def tree_state(path: Path) -> dict[str, str]:
     """relative path -> sha256 of every file under path."""
     state = {}

@@ -73,6 +73,7 @@ QUANT_MARKER = ".qs-quant"  # tests/gpu/install-quant.sh writes it once GPTQ imp
 VARIANT_BASE = {"single-fast": "single", "dflash2-w4a16": "dflash2"}
 ACCEPTANCE_POINTS = 0.02
 VARIANT_PROMPTS = 80  # drafter/capture.py's prompts: 64 calibration, 16 held out (drafter/README.md's table)
+ERROR_TABLES = {"fast": "fast-error-table.md", "w4a16": "dflash2-error-table.md", "shape": "shape-error-table.md"}
 SCHEMA = "qwen-serving product-visit/1"
 GiB, MiB = memory.GiB, memory.MiB
 # the card the pools are pinned for: a headless 24 GB card's free VRAM (docs/long-context.md's table)
@@ -389,7 +390,7 @@ def variant_steps(args: argparse.Namespace, out: Path, variants: Sequence[str], 
                                                 "--out", str(capture)], False, built),
                   VariantStep("fast: quantize", ["drafter/quantize.py", ckpt, "--capture", str(capture), "--out",
                                                  str(fast), "--method", method, "--table",
-                                                 str(out / "fast-error-table.md")], gptq, built),
+                                                 str(out / ERROR_TABLES["fast"])], gptq, built),
                   VariantStep("fast: quant_embed", ["prepare/quant_embed.py", str(fast)], False, None),
                   VariantStep("fast: build_draft_vocab", ["prepare/build_draft_vocab.py", str(fast), "--ids",
                                                           str(args.ckpt / scripted.DRAFT_IDS_FILE)], False, None)]
@@ -400,7 +401,7 @@ def variant_steps(args: argparse.Namespace, out: Path, variants: Sequence[str], 
                               False, built),
                   VariantStep("w4a16: quantize", ["drafter/quantize.py", str(args.drafter), "--dflash2", "--capture",
                                                   str(capture), "--out", str(w4a16_dir(args)), "--method", method,
-                                                  "--table", str(out / "dflash2-error-table.md")], gptq, built)]
+                                                  "--table", str(out / ERROR_TABLES["w4a16"])], gptq, built)]
     if "shape" in variants:
         shape, capture = shape_dir(args), out / "shape-capture.safetensors"
         built = variant_dir(args, "shape") / "config.json"
@@ -411,7 +412,7 @@ def variant_steps(args: argparse.Namespace, out: Path, variants: Sequence[str], 
                                                  "--max-prompts", n, "--out", str(capture)], False, built),
                   VariantStep("shape: quantize", ["drafter/quantize.py", str(shape), "--capture", str(capture),
                                                   "--out", str(variant_dir(args, "shape")), "--method", method,
-                                                  "--table", str(out / "shape-error-table.md")], gptq, built)]
+                                                  "--table", str(out / ERROR_TABLES["shape"])], gptq, built)]
     return steps
 
 
@@ -446,10 +447,10 @@ def make_variants(args: argparse.Namespace, env: Mapping[str, str], out: Path, b
             except subprocess.SubprocessError as err:
                 raise sm.CheckpointError(f"{step.name} failed: {err} (see variants.log)") from err
             done["steps_s"][step.name] = round(time.monotonic() - t0, 1)
-    for v, table in (("fast", "fast-error-table.md"), ("w4a16", "dflash2-error-table.md"),
-                     ("shape", "shape-error-table.md")):
-        if v in variants and (out / table).is_file():
-            done[f"{v}_error_table"] = (out / table).read_text()
+    for v in variants:
+        table = out / ERROR_TABLES[v]
+        if table.is_file():
+            done[f"{v}_error_table"] = table.read_text()
     if "shape" in variants:
         from qwen_serving.checkpoint import drafter_quantize
         from qwen_serving.checkpoint.model_dir import ModelDir

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -132,7 +133,8 @@ def test_dry_run_prints_every_wave_and_the_parts_plan(tmp_path):
     assert sorted(n for n, _ in names) == sorted(c.name for c in pv.CONFIGS if not c.flashinfer and not c.variant)
     assert len({port for _, port in names}) == len(names)
     assert len(re.findall(r"^PYTHONPATH=/tmp/patched:/tmp/site .* serve ", res.stdout, flags=re.M)) == len(names)
-    assert res.stdout.count("  parts: pool") == len(names) and "## expensive parts, in order:" in res.stdout
+    assert res.stdout.count("  parts: pool") == len(names) and "## expensive parts, in order (+: side by side): " in res.stdout
+    assert "single:soak + batch:soak" in res.stdout
     assert "mtp-long:max_request" not in res.stdout
     assert res.stdout.count("# not tried:") == len(pv.NOT_TRIED) + 1 + 2 and not (tmp_path / "o").exists()
     for name in variants:
@@ -162,10 +164,10 @@ def _visit(planned, budget_s: float, boot_facts=None):
         return {p.vc.name: ("up", dict(boot_facts or {})) for p in wave}
 
     def measure(p, part, timeout):
-        assert not busy, "two measurements at once"
+        assert part in pv.SIDE_BY_SIDE or not busy, "two measurements at once"
         busy.append(part)
         assert timeout <= pv.limit_s(p, part)
-        clock.now += pv.estimate_s(p, part)
+        clock.now += pv.estimate_s(p, part) / (2 if part in pv.SIDE_BY_SIDE else 1)  # a pair's time, told twice
         calls.append((p.vc.name, part))
         busy.pop()
         return {"passed": True}
@@ -186,8 +188,14 @@ def test_a_generous_budget_runs_everything_boots_first_then_cheap_then_expensive
         end = calls.index(("stop",), at)
         parts = calls[at + 1:end]
         cheap = [(n, part) for n in wave for part in by_name[n].vc.cheap]
-        expensive = [(n, part) for n, part in pv.EXPENSIVE_ORDER if n in wave]
-        assert parts == cheap + expensive
+        steps = pv.expensive_steps(wave)
+        assert [(n, part) for step in steps for n, part in step] == [e for e in pv.EXPENSIVE_ORDER if e[0] in wave]
+        assert parts[:len(cheap)] == cheap
+        done = parts[len(cheap):]
+        for step in steps:  # a side-by-side step's parts in either order, the steps in order
+            assert sorted(done[:len(step)]) == sorted(step)
+            done = done[len(step):]
+        assert done == []
     assert all(data["measurements"][p.vc.name]["pool"]["kv_mem"] == p.served.kv_mem for p in planned)
 
 
@@ -206,6 +214,37 @@ def test_a_short_budget_keeps_later_boots_and_says_what_it_skipped(planned):
     # nothing at all fits: every server listed as not booted
     calls, data = _visit(planned, pv.BOOT_S["first"] - 1)
     assert calls == [] and len([s for s in data["skipped"] if "not booted" in s]) == len(planned)
+
+
+def test_the_soaks_of_one_wave_run_at_once_and_say_so(planned):
+    by = {p.vc.name: p for p in planned}
+    assert pv.expensive_steps(["single", "batch"])[0] == [("single", "soak"), ("batch", "soak")]
+    assert [len(step) for step in pv.expensive_steps(["single"])] == [1, 1, 1, 1]
+    rec = sm.Record(Path("/dev/null"), {})
+    rec.save = lambda: None
+    together = threading.Barrier(2, timeout=10)  # passes only while both soaks are inside measure at once
+
+    def measure(p, part, timeout):
+        if part == "soak":
+            together.wait()
+            if p.vc.name == "batch":
+                raise RuntimeError("the batch soak broke")
+        return {"passed": True}
+
+    visit = pv.Visit([by["single"], by["batch"]], rec, pv.Budget(100_000), lambda wave, limit: {
+        p.vc.name: ("up", {}) for p in wave}, measure, lambda wave: None)
+    visit.run()
+    single = rec.data["measurements"]["single"]
+    assert single["soak"] == {"passed": True, "side_by_side_with": ["batch"]}
+    assert "soak" not in rec.data["measurements"]["batch"]
+    assert rec.data["errors"] == {"batch: soak": "RuntimeError: the batch soak broke"}
+    assert {"quality", "real_rep", "prefill_ab"} <= set(single)  # the parts after the pair still ran
+    # too little room for the pair: both listed as skipped, neither run
+    rec = sm.Record(Path("/dev/null"), {})
+    rec.save = lambda: None
+    visit = pv.Visit([by["single"], by["batch"]], rec, pv.Budget(0), None, None, None)
+    visit.parts_together([(by["single"], "soak"), (by["batch"], "soak")], reserve=0)
+    assert [s.split(" (")[0] for s in rec.data["skipped"]] == ["single: soak", "batch: soak"]
 
 
 def test_repacking_from_boot_facts_boots_fewer_a_wave(planned):

@@ -46,7 +46,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -99,7 +99,7 @@ BOOT_S = {"first": 330, "later": 260}  # visit 9: four servers up after 313 s wi
 FLASHINFER_JIT_S = 240
 STOP_S = 30
 LIMITS = {"synth": 420, "prepare": 420, "drafter": 300, "variant_step": 600, "boot": 600, "greedy": 240, "api": 240,
-          "quote25k": 240, "max_request": 1200, "soak": 380, "labd_soak": 240, "residue": 420, "retrieval": 480,
+          "quote25k": 240, "max_request": 1200, "soak": 440, "labd_soak": 240, "residue": 420, "retrieval": 480,
           "quality": 120, "real_rep": 240, "prefill_ab": 300}
 # visits 13-14 took: greedy 7-14 s (mtp-huge 50), api 6-9, quote25k 11-15, soak 100-115 (180 s budget then),
 # labd_soak 22, residue 149-155 at 384-639-token prompts (1,024 and up now: past two blocks)
@@ -110,7 +110,13 @@ ESTIMATES = {"greedy": 15, "api": 20, "quote25k": 25, "soak": 300, "labd_soak": 
 MAX_REQUEST_TOK_S = 500
 CHEAP = ("greedy", "api")  # the pool check reads the boot log: no request
 QUOTE_CTX = 25_000
-SOAK_BUDGET_S = 360  # soak_visit's default: 1,000 requests, 120 s timeouts (visit 14 ran 540-871 in 180 s)
+# soak_visit's budget: 1,000 requests, 120 s timeouts (visit 14 ran 540-871 in 180 s, one soak at a time); more than
+# its default 360 s, as the two soaks now share the GPU
+SOAK_BUDGET_S = 420
+# Parts that run at once on the wave's servers where EXPENSIVE_ORDER lists them one after the other: the soaks judge
+# status codes, deaths, leaks and drift per server, none of which another server's load changes, and side by side
+# they cost one soak's time (their latencies are then those of two servers sharing the GPU: the report says so)
+SIDE_BY_SIDE = frozenset({"soak"})
 VISIT_API_KEY = "product-visit-key"  # loopback only; a fixed key, so a report's commands can be rerun as they are
 SEGMENT = 64  # the max-length request's quote and answer (retrieval_depth's default segment)
 DEFAULT_BUDGET_S = 1200  # ~20 minutes of a 30-minute visit after staging
@@ -206,7 +212,8 @@ EXPENSIVE_ORDER: tuple[tuple[str, str], ...] = (
 # from the prepared copy it serves: int8 lm_head and embed dequantized as vLLM holds them), real_rep, and prefill_ab
 # against the batch launcher's plan (W4A8 MLP and fp8 KV against W4A16 and bf16 KV)
 QUALITY_TAG = "product-h200"
-PREFILL_AB_LENS = "1024,4096"
+# one length: each measurement is a `vllm bench serve` call and its warm-up, and the arms alternate up to 3 rounds
+PREFILL_AB_LENS = "4096"
 PREFILL_AB_OTHER = "batch"
 # greedy comparisons (reference, other): each pair token-identical or measured near-ties (smoke_lib.compare_greedy)
 IDENTITY = (("dflash2", "dflash2-lookup0"), ("dflash2", "dflash2-k15"), (BASELINE_SERVER, "dflash2"))
@@ -805,9 +812,12 @@ class Visit:
                 for part in p.vc.cheap:
                     self.one_part(p, part, reserve_s(later, self.budget.left(), cheap_only=True))
             names = {p.vc.name: p for p in up}
-            for name, part in EXPENSIVE_ORDER:  # 3. the expensive ones, keeping the next waves' boots and checks
-                if name in names:
-                    self.one_part(names[name], part, reserve_s(later, self.budget.left(), cheap_only=False))
+            for step in expensive_steps(names):  # 3. the expensive ones, keeping the next waves' boots and checks
+                reserve = reserve_s(later, self.budget.left(), cheap_only=False)
+                if len(step) == 1:
+                    self.one_part(names[step[0][0]], step[0][1], reserve)
+                else:
+                    self.parts_together([(names[name], part) for name, part in step], reserve)
             for p in wave:
                 if p not in up:
                     cheap, expensive = parts_for(p)
@@ -833,6 +843,44 @@ class Visit:
             self.rec.data["errors"][f"{p.vc.name}: {part}"] = f"{type(err).__name__}: {str(err)[:1500]}"
         self.judge()
         self.rec.phase(f"{p.vc.name}: {part}", self.budget.clock() - t0)
+
+
+    def parts_together(self, step: Sequence[tuple[Planned, str]], reserve: float) -> None:
+        """Parts of SIDE_BY_SIDE on several servers at once: each with the room one of them would get."""
+        room = self.budget.left() - reserve
+        estimate = max(estimate_s(p, part) for p, part in step)
+        label = " + ".join(f"{p.vc.name}: {part}" for p, part in step)
+        if room < estimate:
+            self.rec.data["skipped"] += [f"{p.vc.name}: {part} (needs ~{estimate:.0f} s side by side with the others, "
+                                         f"{room:.0f} s left after {reserve:.0f} s kept for later waves)"
+                                         for p, part in step]
+            self.rec.save()
+            return
+        t0 = self.budget.clock()
+        with ThreadPoolExecutor(max_workers=len(step)) as pool:
+            futures = [pool.submit(self.measure_part, p, part, min(limit_s(p, part), room)) for p, part in step]
+        others = [p.vc.name for p, _ in step]
+        for (p, part), future in zip(step, futures, strict=True):
+            m = self.rec.data["measurements"].setdefault(p.vc.name, {})
+            try:
+                m[part] = {**future.result(), "side_by_side_with": [n for n in others if n != p.vc.name]}
+            except Exception as err:  # as one_part: recorded, the others kept
+                self.rec.data["errors"][f"{p.vc.name}: {part}"] = f"{type(err).__name__}: {str(err)[:1500]}"
+        self.judge()
+        self.rec.phase(label, self.budget.clock() - t0)
+
+
+def expensive_steps(up: Iterable[str]) -> list[list[tuple[str, str]]]:
+    """EXPENSIVE_ORDER's entries for the servers up, as steps: one part each, except that consecutive entries of one
+    SIDE_BY_SIDE part form one step that runs at once."""
+    steps: list[list[tuple[str, str]]] = []
+    up = set(up)
+    for name, part in (entry for entry in EXPENSIVE_ORDER if entry[0] in up):
+        if steps and part in SIDE_BY_SIDE and steps[-1][-1][1] == part:
+            steps[-1].append((name, part))
+        else:
+            steps.append([(name, part)])
+    return steps
 
 
 def pool_check(p: Planned, facts: Mapping) -> dict:
@@ -1075,8 +1123,13 @@ def dry_run(args: argparse.Namespace) -> int:
     for p in planned:
         if p.refusal:
             print(f"# {p.vc.name}: the plan refuses it: {p.refusal}")
-    total = 0.0
+    total = expensive_total = 0.0
+    order: list[str] = []
     for i, wave in enumerate(pack([p for p in planned if p.cmd])):
+        by_name = {p.vc.name: p for p in wave}
+        for step in expensive_steps(by_name):
+            expensive_total += max(estimate_s(by_name[n], part) for n, part in step)
+            order.append(" + ".join(f"{n}:{part}" for n, part in step))
         gib = sum(memory_gib(p)["total"] for p in wave)
         need = wave_need_s(wave, first=i == 0)
         total += need
@@ -1090,11 +1143,9 @@ def dry_run(args: argparse.Namespace) -> int:
             cheap, expensive = parts_for(p)
             print("  parts: " + ", ".join(["pool", *(f"{x} ~{estimate_s(p, x):.0f}/{limit_s(p, x):.0f} s"
                                                       for x in cheap + expensive)]))
-    expensive = sum(estimate_s(p, part) for p in planned if p.cmd for part in parts_for(p)[1])
-    print(f"## estimate: boots and cheap parts ~{total:.0f} s, expensive parts ~{expensive:.0f} s, budget "
+    print(f"## estimate: boots and cheap parts ~{total:.0f} s, expensive parts ~{expensive_total:.0f} s, budget "
           f"{args.budget_s:.0f} s (checkpoint, prepared copy and drafter first, ~170 s)")
-    booting = {p.vc.name for p in planned if p.cmd}
-    print("## expensive parts, in order: " + ", ".join(f"{n}:{part}" for n, part in EXPENSIVE_ORDER if n in booting))
+    print("## expensive parts, in order (+: side by side): " + ", ".join(order))
     for what, why in not_tried(planned).items():
         print(f"# not tried: {what}: {why}")
     return 0

@@ -85,10 +85,12 @@ def machine_facts() -> dict:
 
 
 def bench_serve(run: br.RunSpec, args, base: str, key: str | None, seed: int, salt: str, workdir: str) -> dict:
-    """One `vllm bench serve` call; its saved result."""
+    """One `vllm bench serve` call; its saved result. The model is looked up here, with the key."""
+    listed = serving.Client(base, key).get_json("/v1/models")["data"][0]
     cmd = [sys.executable, "-c", VLLM_CLI, "bench", "serve"] + br.bench_serve_args(
         run, base_url=base, seed=seed, cache_salt=salt, result_dir=workdir, prompts_file=str(args.prompts),
-        tokenizer=args.tokenizer, ignore_eos=args.ignore_eos, temperature=args.temperature)
+        tokenizer=args.tokenizer, ignore_eos=args.ignore_eos, temperature=args.temperature,
+        model=(listed["id"], listed["root"]))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     if key:
         env["OPENAI_API_KEY"] = key

@@ -248,12 +248,14 @@ def warmup_run(run: RunSpec) -> RunSpec:
 
 def bench_serve_args(run: RunSpec, *, base_url: str, seed: int, cache_salt: str, result_dir: str,
                      prompts_file: str, tokenizer: str | None = None, ignore_eos: bool = False,
-                     temperature: float | None = None) -> list[str]:
+                     temperature: float | None = None, model: tuple[str, str] | None = None) -> list[str]:
     """Arguments after `vllm bench serve` (vLLM 0.28.0 flags) for one run.
 
     Nothing replays into a prefix cache: the random dataset draws new tokens from --seed, and every
     call carries its own cache_salt, which vLLM folds into the first block hash of each prompt.
     The ready check stays off (its default), so no extra request is sent outside the /metrics window.
+    `model` is the server's (id, root) from /v1/models: given, vllm bench serve skips its own model lookup, which
+    sends no API key (a keyed server answers it 401).
     """
     extra_body = {"cache_salt": cache_salt}
     args = ["--backend", "openai", "--endpoint", "/v1/completions", "--base-url", base_url,
@@ -270,6 +272,9 @@ def bench_serve_args(run: RunSpec, *, base_url: str, seed: int, cache_salt: str,
     else:
         args += ["--dataset-name", "random", "--random-input-len", str(run.input_len),
                  "--random-output-len", str(run.output_len), "--random-range-ratio", "0"]
+    if model:
+        served, root = model
+        args += ["--model", root, "--served-model-name", served]
     if tokenizer:
         args += ["--tokenizer", tokenizer]
     if temperature is not None:

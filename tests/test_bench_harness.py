@@ -174,6 +174,36 @@ def test_server_facts_from_a_vllm_like_server():
     assert facts["vllm_config"] is None and "VLLM_SERVER_DEV_MODE=1" in facts["vllm_config_note"]
 
 
+def test_bench_serve_on_a_keyed_server_gets_the_model_from_us(monkeypatch, tmp_path, vllm_cli):
+    """vllm bench serve looks the model up without the key (visit 16: real_rep and prefill_ab died on a 401), so the
+    harness looks it up with the key and hands vllm bench serve the id and root."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import harness
+
+    server = _FakeVllm("", "k")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen["argv"], seen["key"] = cmd[cmd.index("serve") + 1:], kwargs["env"].get("OPENAI_API_KEY")
+        (tmp_path / "C1.json").write_text("{}")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(harness.subprocess, "run", fake_run)
+    try:
+        base = f"http://127.0.0.1:{server.server_port}"
+        args = harness.parse_args(["single", "--tag", "t", "--out", str(tmp_path)])
+        (c1,) = br.plan_runs("single", cohorts=(1,))
+        assert harness.bench_serve(c1, args, base, "k", 7, "s", str(tmp_path)) == {}
+        with pytest.raises(serving.HttpError, match="HTTP 401"):
+            harness.bench_serve(c1, args, base, None, 7, "s", str(tmp_path))
+    finally:
+        server.shutdown()
+        server.server_close()
+    ns = vllm_cli.bench_serve(seen["argv"])
+    assert (ns.model, ns.served_model_name, seen["key"]) == ("/models/q", "qwen3.8-27b", "k")
+
+
 def test_warmup_call_precedes_each_run_outside_its_metrics_window(monkeypatch, tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
     import harness

@@ -10,9 +10,10 @@
 - **gsm8k**: the first N questions of GSM8K's test split (OpenAI's file at a pinned commit, checked against its
   sha256; `--gsm8k-file` for a machine without network), chat completions, greedy, thinking off, exact match of
   the final number (`final_number`: the rule is in its docstring).
-- **scripted** (`--expect-scripted MODEL_DIR`): perplexity of walks sampled from a scripted checkpoint's own
-  distribution, sent as token ids, against the closed-form perplexity of the same tokens from the checkpoint's
-  weights (docs/quality.md says why walks and not text).
+- **scripted** (`--expect-scripted MODEL_DIR`): perplexity of walks sampled from a scripted checkpoint's
+  context-free table, sent as token ids, judged against the perplexity of the same tokens under the float32
+  reference forward of the checkpoint's tensors; the table's own perplexity of them is recorded beside it
+  (docs/quality.md says why walks and not text).
 
 Results: `OUT/TAG-quality.json` (written beside and renamed after every item, so a stopped run keeps what it
 measured; run the same command again and it continues), and a table on stdout. IFBench is not included: see
@@ -27,6 +28,7 @@ import json
 import math
 import re
 import sys
+import time
 import urllib.request
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -53,7 +55,7 @@ GSM8K_INSTRUCTION = ("Solve the following math problem step by step. End your an
                      "'#### <number>' holding only the final numeric answer.")
 GSM8K_MAX_TOKENS = 2048
 
-SCRIPTED_TOLERANCE = 0.005  # relative perplexity difference, battery vs closed form
+SCRIPTED_TOLERANCE = 0.005  # relative perplexity difference, battery vs the reference forward
 SCRIPTED_WALK_SEED = 0
 
 
@@ -213,39 +215,35 @@ def text_sources(texts_dir: Path = TEXTS) -> dict[str, dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The scripted checkpoint's closed form (torch: only with --expect-scripted)
+# The scripted checkpoint's closed forms (torch: only with --expect-scripted)
 
 
-def scripted_walks(model_dir: Path, tokens: int, walk_len: int, seed: int = SCRIPTED_WALK_SEED,
-                   device: str = "cpu") -> tuple[list[list[int]], ContextFreeTable]:
+def scripted_walks(table: ContextFreeTable, tokens: int, walk_len: int, seed: int = SCRIPTED_WALK_SEED
+                   ) -> list[list[int]]:
     """Walks of `walk_len` ids (the last one shorter) that score `tokens` tokens in all, sampled at temperature 1
-    from the checkpoint's context-free table, each from a seeded active token; and the table (closed_form)."""
+    from the checkpoint's context-free table, each from a seeded active token."""
     import torch
 
-    from qwen_serving.checkpoint.scripted import Design
-    from qwen_serving.checkpoint.scripted_reference import Reference
-
-    design = Design.read(model_dir)
-    table = ContextFreeTable(Reference(model_dir, device), design.active)
     gen = torch.Generator().manual_seed(seed)
     walks, left = [], tokens
     while left > 0:
         length = min(walk_len, left + 1)  # a walk of L ids scores L - 1 tokens
-        walk = [design.active[int(torch.randint(len(design.active), (1,), generator=gen))]]
+        walk = [table.active[int(torch.randint(len(table.active), (1,), generator=gen))]]
         while len(walk) < length:
             walk.append(table.sample(walk[-1], gen))
         walks.append(walk)
         left -= length - 1
-    return walks, table
+    return walks
 
 
 class ContextFreeTable:
     """The scripted design's Markov next-token distribution from the checkpoint's tensors: rows of
-    lm_head(norm(embed(t))) for every active t (the engine adds only the residual branches' small wobble).
-    Kept as the log-normalizer over the whole vocabulary and the float64 logits of the active columns: at full
-    size the whole table is 3,800 x 248,320, the active block 3,800 x 3,800. Inactive tokens sit 28 logits
-    below the background, so sampling among the active columns leaves out ~1e-9 of the mass a step; the closed
-    form of a token is exact either way (its logit minus the full normalizer)."""
+    lm_head(norm(embed(t))) for every active t, without the residual branches (the walks' sampling distribution
+    and the design check's closed form; the judged one is forward_logprobs). Kept as the log-normalizer over the
+    whole vocabulary and the float64 logits of the active columns: at full size the whole table is
+    3,800 x 248,320, the active block 3,800 x 3,800. Inactive tokens sit 28 logits below the background, so
+    sampling among the active columns leaves out ~1e-9 of the mass a step; the closed form of a token is exact
+    either way (its logit minus the full normalizer)."""
 
     def __init__(self, ref, active: list[int]):
         import torch
@@ -275,19 +273,54 @@ class ContextFreeTable:
         return self.active[int(self.logits[self.index[token]].argmax())]
 
 
-def scripted_check(measured: list[float], expected: list[float], engine_top: list[int], designed_top: list[int],
-                   tolerance: float = SCRIPTED_TOLERANCE) -> dict:
-    """Battery perplexity against the closed form over the same tokens."""
-    if len(measured) != len(expected) or len(engine_top) != len(designed_top) or len(measured) != len(engine_top):
+FORWARD_ROWS = 256  # positions per lm_head product: [256, 248,320] float32 is 254 MB at full size
+
+
+def forward_logprobs(ref, walks: list[list[int]]) -> tuple[list[list[float]], list[list[int]]]:
+    """The float32 reference forward (Reference.hidden_batch, then its lm_head) of each walk: the exact
+    log-probability of every token after its prefix (log-softmax in float64), and the forward's top token at each
+    scored position. The lm_head (dequantized once, after the body) and the log-softmax go FORWARD_ROWS positions
+    at a time."""
+    import torch
+
+    longest = max(len(w) for w in walks)
+    # the forward is causal throughout (attention mask, conv, recurrence): a position reads only its prefix, so a
+    # shorter walk padded at its end runs in the same batch, and each layer's matrices are dequantized once
+    padded = [w + [w[-1]] * (longest - len(w)) for w in walks]
+    logprobs, tops = [], []
+    with torch.no_grad():
+        hidden = ref.hidden_batch(padded)
+        lm_head = ref.w.linear("lm_head")
+        for walk, states in zip(walks, hidden, strict=True):
+            scored = torch.tensor(walk[1:], device=states.device)
+            walk_lp, walk_top = [], []
+            for rows, ids in zip(states[: len(walk) - 1].split(FORWARD_ROWS), scored.split(FORWARD_ROWS), strict=True):
+                logits = (rows @ lm_head.T).double()
+                walk_lp.append(logits.gather(-1, ids[:, None])[:, 0] - logits.logsumexp(-1))
+                walk_top.append(logits.argmax(-1))
+            logprobs.append(torch.cat(walk_lp).tolist())
+            tops.append(torch.cat(walk_top).tolist())
+    return logprobs, tops
+
+
+def compare(measured: list[float], expected: list[float], engine_top: list[int], expected_top: list[int]) -> dict:
+    """Battery perplexity against a closed form over the same tokens, and how the per-token values differ."""
+    if len(measured) != len(expected) or len(engine_top) != len(expected_top) or len(measured) != len(engine_top):
         raise ValueError("measured and closed-form token lists differ in length")
     battery, closed = perplexity(measured), perplexity(expected)
     diffs = [m - e for m, e in zip(measured, expected, strict=True)]
-    relative = battery["ppl"] / closed["ppl"] - 1
     return {"battery_ppl": battery["ppl"], "closed_form_ppl": closed["ppl"], "tokens": battery["tokens"],
-            "relative_difference": relative, "tolerance": tolerance, "within_tolerance": abs(relative) <= tolerance,
+            "relative_difference": battery["ppl"] / closed["ppl"] - 1,
             "logprob_diff_rms": math.sqrt(sum(d * d for d in diffs) / len(diffs)),
             "logprob_diff_max": max(abs(d) for d in diffs),
-            "top1_agreement": sum(a == b for a, b in zip(engine_top, designed_top, strict=True)) / len(engine_top)}
+            "top1_agreement": sum(a == b for a, b in zip(engine_top, expected_top, strict=True)) / len(engine_top)}
+
+
+def scripted_check(measured: list[float], expected: list[float], engine_top: list[int], expected_top: list[int],
+                   tolerance: float = SCRIPTED_TOLERANCE) -> dict:
+    """The judged comparison: `compare` within `tolerance` of relative perplexity."""
+    out = compare(measured, expected, engine_top, expected_top)
+    return {**out, "tolerance": tolerance, "within_tolerance": abs(out["relative_difference"]) <= tolerance}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,7 +409,12 @@ def run_gsm8k(client: serving.Client, model: str, results: Results, items: list[
 
 def run_scripted(client: serving.Client, model: str, results: Results, model_dir: Path, tokens: int,
                  walk_len: int, device: str) -> None:
-    walks, table = scripted_walks(model_dir, tokens, walk_len, device=device)
+    from qwen_serving.checkpoint.scripted import Design
+    from qwen_serving.checkpoint.scripted_reference import Reference
+
+    ref = Reference(model_dir, device)
+    table = ContextFreeTable(ref, Design.read(model_dir).active)
+    walks = scripted_walks(table, tokens, walk_len)
     section = results.section("scripted")
     done = section.setdefault("walks", [])
     bar = serving.Progress("scripted", len(walks), len(done))
@@ -387,13 +425,24 @@ def run_scripted(client: serving.Client, model: str, results: Results, model_dir
         done.append({"ids": walk, "logprobs": [s["logprob"] for s in scored], "engine_top": [s["top"] for s in scored]})
         results.save()
         bar.step()
+    started = time.monotonic()
+    forward, forward_top = forward_logprobs(ref, [w["ids"] for w in done])
+    section["forward_s"] = round(time.monotonic() - started, 2)
+    for walk, lp in zip(done, forward, strict=True):
+        walk["forward"] = lp  # per token, so a failure can be traced to the walk and position that carry it
     measured = [lp for w in done for lp in w["logprobs"]]
-    expected = [lp for w in done for lp in table.closed_form(w["ids"])]
     engine_top = [t for w in done for t in w["engine_top"]]
-    designed_top = [table.argmax(t) for w in done for t in w["ids"][:-1]]
-    section["check"] = scripted_check(measured, expected, engine_top, designed_top)
-    section["closed_form"] = ("context-free table lm_head(norm(embed(t))) of the checkpoint's tensors, float64; "
-                              "walks sampled from it at temperature 1")
+    section["check"] = {**scripted_check(measured, [lp for w in forward for lp in w],
+                                         engine_top, [t for w in forward_top for t in w]),
+                        "per_walk": [perplexity(w["logprobs"])["ppl"] / perplexity(w["forward"])["ppl"] - 1
+                                     for w in done],
+                        "closed_form": "reference forward: Reference.hidden_batch of the checkpoint's tensors in "
+                                       "float32, its lm_head, log-softmax in float64; judged"}
+    section["design_check"] = {**compare(measured, [lp for w in done for lp in table.closed_form(w["ids"])],
+                                         engine_top, [table.argmax(t) for w in done for t in w["ids"][:-1]]),
+                               "closed_form": "context-free table lm_head(norm(embed(t))) of the checkpoint's "
+                                              "tensors, float64, the walks' sampling distribution (temperature 1); "
+                                              "recorded, not judged"}
     results.save()
 
 
@@ -414,13 +463,18 @@ def table(data: dict) -> str:
         lines.append(f"GSM8K exact match: {gsm['correct']}/{gsm['answered']} = {gsm['accuracy']:.1%} "
                      "(greedy, thinking off)")
         lines.append("")
-    check = data.get("scripted", {}).get("check")
+    scripted = data.get("scripted", {})
+    check, design = scripted.get("check"), scripted.get("design_check")
     if check:
         verdict = "within" if check["within_tolerance"] else "OUTSIDE"
-        lines.append(f"scripted: battery perplexity {check['battery_ppl']:.5f}, closed form {check['closed_form_ppl']:.5f}"
-                     f" over {check['tokens']} tokens: {check['relative_difference']:+.3%} ({verdict} "
-                     f"{check['tolerance']:.1%}); logprob difference rms {check['logprob_diff_rms']:.4f}, top-1 "
-                     f"agreement with the design {check['top1_agreement']:.1%}")
+        lines.append(f"scripted: battery perplexity {check['battery_ppl']:.5f}, reference forward (judged) "
+                     f"{check['closed_form_ppl']:.5f} over {check['tokens']} tokens: {check['relative_difference']:+.3%}"
+                     f" ({verdict} {check['tolerance']:.1%}); logprob difference rms {check['logprob_diff_rms']:.4f}, "
+                     f"top-1 agreement with the forward {check['top1_agreement']:.1%}")
+    if design:
+        lines.append(f"scripted, not judged: context-free table {design['closed_form_ppl']:.5f}: "
+                     f"{design['relative_difference']:+.3%}; logprob difference rms {design['logprob_diff_rms']:.4f}, "
+                     f"top-1 agreement with the design {design['top1_agreement']:.1%}")
     return "\n".join(lines) + "\n"
 
 
@@ -441,10 +495,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=8, help="GSM8K requests in flight (default %(default)s)")
     p.add_argument("--texts", type=Path, default=TEXTS, help=argparse.SUPPRESS)
     p.add_argument("--expect-scripted", type=Path, metavar="MODEL_DIR",
-                   help="the served scripted checkpoint: score walks of its distribution against the closed form")
+                   help="the served scripted checkpoint: score walks of its distribution against its reference forward")
     p.add_argument("--scripted-tokens", type=int, default=4096, help="tokens scored (default %(default)s)")
     p.add_argument("--scripted-walk", type=int, default=1024, help="ids per request (default %(default)s)")
-    p.add_argument("--device", default="cpu", help="torch device for the closed form (default %(default)s)")
+    p.add_argument("--device", default="cpu", help="torch device for the reference forward (default %(default)s)")
     p.add_argument("--force", action="store_true", help="start again over an existing results file of this tag")
     args = p.parse_args(argv)
     if args.parts is None:

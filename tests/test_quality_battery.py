@@ -1,6 +1,7 @@
 """bench/quality_battery.py on the CPU: the GSM8K final-number rule, perplexity from prompt logprobs against a
 fake vLLM whose distribution is known, resuming a stopped run, and the scripted check against the tiny scripted
-checkpoint's reference (the battery's perplexity equals the closed form; a wrong model is caught)."""
+checkpoint's reference forward (the battery's perplexity equals it; a wrong model, and one without the body where
+the body counts, are caught)."""
 
 from __future__ import annotations
 
@@ -260,9 +261,10 @@ def scripted_tiny(tmp_path_factory) -> Path:
     return out
 
 
-def reference_server(model_dir: Path, scale: float = 1.0) -> FakeVllm:
+def reference_server(model_dir: Path, scale: float = 1.0, blind_below: int = 0) -> FakeVllm:
     """The tiny scripted checkpoint's full float32 forward (residual branches, state and all), its logits rounded
-    to bf16 as the engine returns them, then log-softmax in float32 (vLLM's compute_logprobs)."""
+    to bf16 as the engine returns them, then log-softmax in float32 (vLLM's compute_logprobs). Prompts shorter than
+    `blind_below` ids get flat logits (visit 16's 5-token walk: gotcha 30)."""
     import torch
 
     from qwen_serving.checkpoint.scripted_reference import Reference
@@ -272,9 +274,69 @@ def reference_server(model_dir: Path, scale: float = 1.0) -> FakeVllm:
     def logprobs(ids: list[int]):
         with torch.no_grad():
             logits = ref.logits(ids).to(torch.bfloat16).float() * scale
+        if len(ids) < blind_below:
+            logits = torch.zeros_like(logits)
         return logits.log_softmax(-1).tolist()
 
     return FakeVllm(logprobs)
+
+
+def table_server(model_dir: Path) -> FakeVllm:
+    """A server whose logprobs are the context-free table's: every row lm_head(norm(embed(t))) of the position's
+    own token, the body left out (what the check judged against before visit 16)."""
+    import torch
+
+    from qwen_serving.checkpoint.scripted_reference import Reference
+
+    ref = Reference(model_dir)
+
+    def logprobs(ids: list[int]):
+        with torch.no_grad():
+            return ref.context_free_logits(ids).log_softmax(-1).tolist()
+
+    return FakeVllm(logprobs)
+
+
+def loud_body(model_dir: Path, out: Path, factor: float = 4.0) -> Path:
+    """A copy of the checkpoint whose residual branches write `factor` times more into the stream (the group scales
+    of every o_proj, out_proj and down_proj times a power of two: exact in fp16 and bf16). The embeddings, norms
+    and lm_head, so the context-free table and the walks sampled from it, stay as they were."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    branches = ("o_proj.weight_scale", "out_proj.weight_scale", "down_proj.weight_scale")
+    for shard in out.glob("*.safetensors"):
+        with safe_open(str(shard), framework="pt") as f:
+            metadata = f.metadata()
+        tensors = load_file(shard)
+        scaled = {k: v * factor for k, v in tensors.items() if k.startswith("model.language_model.layers.")
+                  and k.endswith(branches)}
+        if scaled:
+            save_file({**tensors, **scaled}, shard, metadata=metadata)
+    return out
+
+
+def test_the_judged_closed_form_is_the_reference_forward(scripted_tiny):
+    """forward_logprobs batches walks of two lengths (the shorter padded at its end) and goes through the lm_head
+    in row blocks: each walk's values are still its own Reference.logits, log-softmaxed, at its tokens."""
+    import torch
+
+    from qwen_serving.checkpoint.scripted import Design
+    from qwen_serving.checkpoint.scripted_reference import Reference
+
+    torch.set_num_threads(1)
+    ref = Reference(scripted_tiny)
+    walks = qb.scripted_walks(qb.ContextFreeTable(ref, Design.read(scripted_tiny).active), 240, 101)
+    assert [len(w) for w in walks] == [101, 101, 41]
+    logprobs, tops = qb.forward_logprobs(ref, walks)
+    for walk, lp, top in zip(walks, logprobs, tops, strict=True):
+        rows = ref.logits(walk)[:-1].double().log_softmax(-1)
+        expected = rows[torch.arange(len(walk) - 1), torch.tensor(walk[1:])]
+        assert torch.tensor(lp, dtype=torch.float64) == pytest.approx(expected, abs=1e-5)
+        assert top == rows.argmax(-1).tolist()
 
 
 def test_scripted_battery_matches_the_closed_form(scripted_tiny, tmp_path, capsys):
@@ -287,14 +349,21 @@ def test_scripted_battery_matches_the_closed_form(scripted_tiny, tmp_path, capsy
     assert _run([*args, "--url", server.url]) == 0, capsys.readouterr().err
     server.shutdown()
     data = json.loads((tmp_path / "s-quality.json").read_text())
-    check = data["scripted"]["check"]
+    check, design = data["scripted"]["check"], data["scripted"]["design_check"]
     assert check["tokens"] == 300 and [len(w["ids"]) for w in data["scripted"]["walks"]] == [101, 101, 101]
-    assert check["within_tolerance"] and abs(check["relative_difference"]) < 0.005
-    assert 1e-3 < check["logprob_diff_rms"] < 0.1  # the branches' wobble is there, and small
-    assert check["top1_agreement"] == 1.0
+    assert check["within_tolerance"] and abs(check["relative_difference"]) < 1e-3
+    assert check["logprob_diff_rms"] < 0.01  # against the forward, only the bf16 rounding of the logits is left
+    assert check["top1_agreement"] == 1.0 and "judged" in check["closed_form"]
+    # the design check is recorded beside it, not judged: the branches' wobble shows against the table
+    assert "tolerance" not in design and "not judged" in design["closed_form"]
+    assert 0.02 < design["logprob_diff_rms"] < 0.1 and design["top1_agreement"] == 1.0
+    assert data["scripted"]["forward_s"] >= 0 and all(len(w["forward"]) == 100 for w in data["scripted"]["walks"])
+    assert len(check["per_walk"]) == 3 and max(map(abs, check["per_walk"])) < 2e-3
+    out = capsys.readouterr().out
+    assert "reference forward (judged)" in out and "not judged: context-free table" in out
     # walks follow the design: mostly chain successors, each token scored against its own row
-    design = json.loads((scripted_tiny / "scripted.json").read_text())
-    chain = dict(zip(design["active"], design["chain"], strict=True))
+    design_file = json.loads((scripted_tiny / "scripted.json").read_text())
+    chain = dict(zip(design_file["active"], design_file["chain"], strict=True))
     ids = [w["ids"] for w in data["scripted"]["walks"]]
     share = sum(chain[a] == b for w in ids for a, b in zip(w, w[1:], strict=False)) / 300
     assert 0.65 < share < 0.85  # designed: 0.755 at temperature 1
@@ -305,7 +374,44 @@ def test_scripted_battery_matches_the_closed_form(scripted_tiny, tmp_path, capsy
     assert _run(["w", *args[1:], "--url", wrong.url]) == 1
     wrong.shutdown()
     bad = json.loads((tmp_path / "w-quality.json").read_text())["scripted"]["check"]
-    assert not bad["within_tolerance"] and "OUTSIDE" in capsys.readouterr().out
+    # (any other distribution scores the walks worse: sampled from the model, their cross-entropy is least under it)
+    assert not bad["within_tolerance"] and bad["relative_difference"] > 0.005 and "OUTSIDE" in capsys.readouterr().out
+
+    # a server wrong on one short walk only fails the whole check, and the per-walk figures name that walk
+    blind = reference_server(scripted_tiny, blind_below=6)
+    assert _run(["b", *args[1:5], "--scripted-tokens", "304", "--scripted-walk", "101", "--url", blind.url]) == 1
+    blind.shutdown()
+    per_walk = json.loads((tmp_path / "b-quality.json").read_text())["scripted"]["check"]["per_walk"]
+    assert max(map(abs, per_walk[:3])) < 2e-3 and per_walk[3] > 10
+
+
+def test_a_server_without_the_body_fails_where_the_body_counts(scripted_tiny, tmp_path, capsys):
+    """A server that answers with the context-free table (no residual branches) agrees with the design check to
+    float32 rounding. On the tiny checkpoint its per-token values are off the forward by the branches' wobble
+    (rms ~0.05) but its perplexity over 300 tokens is not (-0.01%): the judged check passes it. With the branches
+    four times louder (the same table and walks) it is 1.7% off the forward and fails."""
+    import torch
+
+    torch.set_num_threads(1)
+    args = ["--out", str(tmp_path), "--scripted-tokens", "300", "--scripted-walk", "101"]
+    loud = loud_body(scripted_tiny, tmp_path / "loud")
+    for tag, ckpt, rc in (("quiet", scripted_tiny, 0), ("loud", loud, 1)):
+        server = table_server(ckpt)
+        assert _run([tag, *args, "--expect-scripted", str(ckpt), "--url", server.url]) == rc, capsys.readouterr().err
+        server.shutdown()
+    quiet, noisy = (json.loads((tmp_path / f"{tag}-quality.json").read_text())["scripted"] for tag in ("quiet", "loud"))
+    assert [w["ids"] for w in quiet["walks"]] == [w["ids"] for w in noisy["walks"]]  # one table, one set of walks
+    for section in (quiet, noisy):
+        assert section["design_check"]["logprob_diff_rms"] < 1e-4 and section["design_check"]["top1_agreement"] == 1
+    assert 0.03 < quiet["check"]["logprob_diff_rms"] < 0.1 and abs(quiet["check"]["relative_difference"]) < 1e-3
+    assert noisy["check"]["logprob_diff_rms"] > 0.15 and noisy["check"]["relative_difference"] < -0.01
+    assert not noisy["check"]["within_tolerance"]
+    # and the engine that runs the loud body's forward passes there
+    server = reference_server(loud)
+    assert _run(["loud-forward", *args, "--expect-scripted", str(loud), "--url", server.url]) == 0
+    server.shutdown()
+    forward = json.loads((tmp_path / "loud-forward-quality.json").read_text())["scripted"]
+    assert forward["check"]["within_tolerance"] and forward["design_check"]["relative_difference"] > 0.01
 
 
 def test_gpu_script_on_the_cpu(scripted_tiny, tmp_path, capsys):
@@ -322,13 +428,14 @@ def test_gpu_script_on_the_cpu(scripted_tiny, tmp_path, capsys):
     server.shutdown()
     data = json.loads(out.read_text())
     assert data["check_passed"] and data["elapsed_s"] > 0 and data["scripted"]["check"]["tokens"] == 120
+    assert data["scripted"]["design_check"]["tokens"] == 120
     assert set(data["perplexity"]["texts"]) == set(qb.TEXT_FILES)
 
 
 def test_scripted_battery_on_the_prepared_copy_reads_its_closed_form_from_the_int8_tensors(scripted_tiny, tmp_path,
                                                                                             capsys):
-    """The product visit runs the check against the single-user plan, which serves the prepared copy: the closed
-    form is then lm_head(norm(embed(t))) of its int8 tensors, dequantized as vLLM holds them."""
+    """The product visit runs the check against the single-user plan, which serves the prepared copy: the forward
+    (and the table) then read its int8 lm_head and embed_tokens, dequantized as vLLM holds them."""
     import shutil
 
     import torch
@@ -343,7 +450,7 @@ def test_scripted_battery_on_the_prepared_copy_reads_its_closed_form_from_the_in
     args = ["--out", str(tmp_path), "--scripted-tokens", "200", "--scripted-walk", "101"]
     server = reference_server(prepared)
     assert _run(["p", *args, "--expect-scripted", str(prepared), "--url", server.url]) == 0, capsys.readouterr().err
-    # the raw checkpoint's closed form is another model's: the int8 rounding moves it
+    # the raw checkpoint's forward is another model's: the int8 rounding moves it
     assert _run(["r", *args, "--expect-scripted", str(scripted_tiny), "--url", server.url]) in (0, 1)
     server.shutdown()
     ours = json.loads((tmp_path / "p-quality.json").read_text())["scripted"]["check"]

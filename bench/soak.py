@@ -11,7 +11,11 @@ Every request waits at most --request-timeout; requests not started within --max
 Report (JSON and a markdown table): status codes and p50/p99 latency per kind, every 5xx and every error event
 inside a 200 stream with its body, /health failures and engine deaths or restarts in the server log, seats
 (vllm:num_requests_running + waiting) and KV blocks in use (vllm:kv_cache_usage_perc x num_gpu_blocks) before and
-after, server RSS (the PID's process tree: the API server and its engine core) and GPU memory from nvidia-smi.
+after, server RSS (the PID's process tree: the API server and its engine core) and GPU memory from nvidia-smi, and
+the engine's own allocator figures (PyTorch's allocated vs reserved bytes, peaks, retries, OOMs) at the start, after
+the warm-up (its peaks reset there) and at the end, where the server answers vLLM's dev route POST /collective_rpc
+with worker-memory-stats.patch's qs_memory_stats (VLLM_SERVER_DEV_MODE=1); recorded as unavailable, with the reason,
+otherwise. Recorded, never judged.
 Pass/fail: 0 5xx, 0 engine deaths, 0 leaked seats or blocks, RSS drift < 5% (from the end of the warm-up, the
 waves up to 5% of the requests, to the end), every request answered with its kind's expected status. Exit code 0
 when all hold, 1 when one fails, 2 when the soak could not run.
@@ -621,6 +625,57 @@ def gpu_memory_mib() -> list[int] | None:
         return None
 
 
+# patches/worker-memory-stats.patch's Worker method (qwen_serving/engine/worker_memory_stats.py, which imports torch:
+# not imported here), reached over vLLM's dev API
+MEMORY_STATS_METHOD = "qs_memory_stats"
+ALLOCATOR_KEYS = ("allocated_bytes", "reserved_bytes", "peak_allocated_bytes", "peak_reserved_bytes")
+MiB = 1 << 20
+
+
+def allocator_stats(client: serving.Client, reset_peak: bool = False, timeout_s: float = 30) -> dict:
+    """The engine's PyTorch allocator figures, one dict per worker (bytes), from POST /collective_rpc
+    {"method": "qs_memory_stats", "args": ["1" or "0"]}; "1" resets the peaks once read. Where the server has no
+    such route (started without VLLM_SERVER_DEV_MODE=1) or its workers no such method (the patch not applied),
+    {"available": False, "reason": ...}: never an error."""
+    body = {"method": MEMORY_STATS_METHOD, "args": ["1" if reset_peak else "0"]}
+    status, text = serving.probe(client.base + "/collective_rpc", body, key=client.key, timeout_s=timeout_s)
+    if status != 200:
+        why = {0: "no answer", 404: "no /collective_rpc route (server started without VLLM_SERVER_DEV_MODE=1)"}.get(
+            status, f"HTTP {status} (a worker without {MEMORY_STATS_METHOD}: worker-memory-stats.patch not applied?)")
+        return {"available": False, "reason": f"{why}: {text.strip()[:300]}"}
+    try:
+        workers = json.loads(text)["results"]
+    except (ValueError, KeyError, TypeError):
+        workers = None
+    if not isinstance(workers, list) or not workers or not all(
+            isinstance(w, dict) and all(isinstance(w.get(k), int) for k in ALLOCATOR_KEYS) for w in workers):
+        return {"available": False, "reason": f"/collective_rpc answered 200 without allocator figures: {text[:300]}"}
+    return {"available": True, "peak_reset": reset_peak, "workers": workers}
+
+
+def allocator_summary(records: dict) -> dict | None:
+    """Worker 0's end figures in MiB, its peak since the warm-up's reset (else since the engine's last one), and
+    the allocation retries and OOMs during the soak (else since the engine started); None without an end record."""
+    end = records.get("end") or {}
+    if not end.get("available"):
+        return None
+    last = end["workers"][0]
+    warm, start = records.get("after_warmup") or {}, records.get("start") or {}
+    since = "after_warmup" if warm.get("available") and warm.get("peak_reset") else "last_reset"
+    counted = start["workers"][0] if start.get("available") else None
+
+    def during(key: str) -> int:
+        return int(last.get(key, 0)) - (int(counted.get(key, 0)) if counted else 0)
+
+    return {"workers": len(end["workers"]),
+            "allocated_mib": round(last["allocated_bytes"] / MiB), "reserved_mib": round(last["reserved_bytes"] / MiB),
+            "cached_mib": round((last["reserved_bytes"] - last["allocated_bytes"]) / MiB),
+            "peak_allocated_mib": round(last["peak_allocated_bytes"] / MiB),
+            "peak_reserved_mib": round(last["peak_reserved_bytes"] / MiB), "peak_since": since,
+            "alloc_retries": during("num_alloc_retries"), "ooms": during("num_ooms"),
+            "counted_from": "start" if counted else "engine_start"}
+
+
 # ---------------------------------------------------------------------------------------------
 # Running and reporting
 
@@ -681,6 +736,7 @@ def run_soak(url: str, key: str | None, options: Options) -> dict:
     before = metrics_state(client)
     rss = {"start": pid and process_tree_rss(pid)}
     gpu = {"start": gpu_memory_mib()}
+    allocator = {"start": allocator_stats(client)}
     watch = HealthWatch(client.base, options.health_every_s)
     watch.check()
     watch.start()
@@ -699,6 +755,7 @@ def run_soak(url: str, key: str | None, options: Options) -> dict:
         if "after_warmup" not in rss and len(outcomes) >= WARMUP_SHARE * options.n:
             rss["after_warmup"] = pid and process_tree_rss(pid)  # allocations of first use are not drift
             gpu["after_warmup"] = gpu_memory_mib()
+            allocator["after_warmup"] = allocator_stats(client, reset_peak=True)  # the end's peak: the soak's own
     skipped = [o for o in outcomes if o is None]
     outcomes = [o for o in outcomes if o is not None]
     not_run += len(skipped)
@@ -709,13 +766,14 @@ def run_soak(url: str, key: str | None, options: Options) -> dict:
     after = _state_or_none(lambda: settled_state(client, before, options.settle_s))
     rss["end"] = pid and process_tree_rss(pid)
     gpu["end"] = gpu_memory_mib()
+    allocator["end"] = allocator_stats(client)
     log = None
     if options.server_log:
         with open(options.server_log, errors="replace") as handle:
             handle.seek(log_offset)
             log = log_events(handle.read())
     return report(facts, client.base, options, waves, outcomes, not_run, duration, before, after, watch.summary(),
-                  log, pid, rss, gpu)
+                  log, pid, rss, gpu, allocator)
 
 
 def _timed(client, key, request: Request, options: Options, deadline: float,
@@ -741,7 +799,7 @@ def _drift(start: Any, end: Any) -> float | None:
 
 def report(facts: ServerFacts, base: str, options: Options, waves: list[Wave], outcomes: list[Outcome],
            not_run: int, duration: float, before: dict, after: dict | None, health: dict, log: dict | None,
-           pid: int | None, rss: dict, gpu: dict) -> dict:
+           pid: int | None, rss: dict, gpu: dict, allocator: dict | None = None) -> dict:
     kinds: dict[str, dict] = {}
     for name in dict.fromkeys(r.kind for w in waves for r in w.requests):
         mine = [o for o in outcomes if o.kind == name]
@@ -799,12 +857,32 @@ def report(facts: ServerFacts, base: str, options: Options, waves: list[Wave], o
         else after["preemptions"] - before["preemptions"],
         "rss": {**rss, "drift": rss_drift},
         "gpu_memory_mib": {**gpu, "drift_mib": None if not gpu_start or not gpu_end else sum(gpu_end) - sum(gpu_start)},
+        # recorded, not judged: what PyTorch's allocator holds vs keeps, from the engine itself (None: not asked)
+        "allocator": None if allocator is None else {"method": MEMORY_STATS_METHOD, **allocator,
+                                                      "summary": allocator_summary(allocator)},
         "criteria": criteria, "passed": all(c["passed"] for c in criteria.values()),
     }
 
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def allocator_lines(allocator: dict | None) -> list[str]:
+    """One line on the engine's allocator figures (none when they were not asked for)."""
+    if not allocator:
+        return []
+    summary = allocator.get("summary")
+    if summary is None:
+        reason = (allocator.get("end") or {}).get("reason", "no end record")
+        return [f"engine allocator figures unavailable ({allocator['method']} over /collective_rpc): {reason}"]
+    who = "worker 0" + (f" of {summary['workers']}" if summary["workers"] > 1 else "")
+    peak = "since the warm-up" if summary["peak_since"] == "after_warmup" else "since the engine's last peak reset"
+    counted = "during the soak" if summary["counted_from"] == "start" else "since the engine started"
+    return [f"engine allocator at the end ({who}): {summary['allocated_mib']:,} MiB allocated, "
+            f"{summary['reserved_mib']:,} MiB reserved ({summary['cached_mib']:,} MiB kept by the cache); peak "
+            f"{peak} {summary['peak_allocated_mib']:,} MiB allocated / {summary['peak_reserved_mib']:,} MiB reserved; "
+            f"{summary['alloc_retries']} allocation retries and {summary['ooms']} OOMs {counted} (recorded, not judged)"]
 
 
 def markdown(result: dict) -> str:
@@ -818,6 +896,7 @@ def markdown(result: dict) -> str:
     for name, c in result["criteria"].items():
         lines.append(f"| {name} ({c['rule']}) | {c['value']} | {'PASS' if c['passed'] else 'FAIL'} |")
     extra = [f"{result['not_run']} of {result['n']} requests not run (the time budget ran out)"] if result["not_run"] else []
+    extra += allocator_lines(result.get("allocator"))
     if result.get("preemptions") is not None:
         extra.append(f"{result['preemptions']:g} requests preempted during the soak (vllm:num_preemptions; recorded, "
                      "not judged)")

@@ -79,6 +79,8 @@ def test_a_clean_server_passes_every_criterion(fake):
     assert result["seats"] == {"before": 0, "after": 0} and result["kv_blocks"]["num_gpu_blocks"] == 64
     assert result["log"] == {"death_lines": 0, "deaths_first": [], "restarts": 0}
     assert isinstance(result["rss"]["drift"], float) and result["health"]["checks"] >= 2
+    # this fake has no allocator figures to give (its /collective_rpc is no dev route): recorded, and still a pass
+    assert result["allocator"]["end"]["available"] is False and result["allocator"]["summary"] is None
 
 
 def test_5xx_answers_are_caught_with_their_body(fake):
@@ -253,3 +255,128 @@ def test_the_preemptions_during_the_soak_are_read_from_the_metrics_page():
     client = argparse.Namespace(get_text=lambda path, timeout_s: page + 'vllm:num_preemptions_total{engine="0"} 7\n')
     assert soak.metrics_state(client)["preemptions"] == 7
     assert soak.metrics_state(argparse.Namespace(get_text=lambda path, timeout_s: page))["preemptions"] is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's allocator figures over POST /collective_rpc (worker-memory-stats.patch; recorded, never judged)
+
+MiB = 1 << 20
+
+
+class RpcServer:
+    """tests/helpers/soak_server.py's fake vLLM in a thread of this process, with vLLM's dev route POST
+    /collective_rpc (unguarded by the API key, as vLLM's is) answered three ways: "patched" runs the patched
+    worker's qs_memory_stats on a little allocator model (1 MiB more allocated per request served, a start-up peak
+    above it all, the peaks reset by args ["1"]); "unpatched" as a VLLM_SERVER_DEV_MODE=1 server without the patch (500, run_method's
+    NotImplementedError); "no-dev-mode" as a server without the dev routes (404)."""
+
+    def __init__(self, mode: str):
+        from tests.helpers import soak_server
+        from tests.helpers.fake_http import send_json
+
+        state = soak_server.State(argparse.Namespace(key="k", no_tools=False, fail_tools=False, stream_error=False,
+                                                     leak_after=0, die_after=0, log=None))
+        self.calls: list[dict] = []
+        self.answers: list[dict] = []  # what each patched answer said
+        self.peak = 9000 * MiB  # the engine's start-up peak (the profile run's): what a reset must clear
+        server = self
+
+        class Handler(soak_server.make_handler(state)):
+            def do_POST(self):  # noqa: N802
+                if self.path != "/collective_rpc":
+                    return super().do_POST()
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                server.calls.append(body)
+                if mode == "no-dev-mode":
+                    return send_json(self, {"detail": "Not Found"}, 404)
+                if mode == "unpatched" or body.get("method") != "qs_memory_stats":
+                    return send_json(self, {"error": {"message": "Call to collective_rpc method failed: Method "
+                                                      f"{body.get('method')!r} is not implemented.", "code": 500}}, 500)
+                with state.lock:
+                    allocated = (1000 + state.requests) * MiB
+                server.peak = max(server.peak, allocated)
+                stats = {"device": "cuda:0", "allocated_bytes": allocated, "reserved_bytes": 4000 * MiB,
+                         "cached_bytes": 4000 * MiB - allocated, "peak_allocated_bytes": server.peak,
+                         "peak_reserved_bytes": 4500 * MiB, "num_alloc_retries": 2 + len(server.calls),
+                         "num_ooms": 0, "device_free_bytes": 20000 * MiB, "device_total_bytes": 24000 * MiB,
+                         "peak_reset": body.get("args") == ["1"]}
+                if body.get("args") == ["1"]:
+                    server.peak = allocated
+                server.answers.append(stats)
+                send_json(self, {"results": [stats]})
+
+        self.httpd = soak_server.WideBacklog(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def rpc_server():
+    servers = []
+
+    def start(mode):
+        servers.append(RpcServer(mode))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+CRITERIA = {"no_5xx", "no_engine_death", "no_leaked_seats", "no_leaked_blocks", "rss_drift_under_5pct",
+            "expected_answers"}
+
+
+def test_the_engines_allocator_figures_at_start_warmup_and_end(rpc_server):
+    server = rpc_server("patched")
+    result = soak.run_soak(server.url, "k", options(n=60, pid=os.getpid()))
+    # asked three times, the peaks reset once: after the warm-up, so the end's peak is the soak's own
+    assert [c["method"] for c in server.calls] == ["qs_memory_stats"] * 3
+    assert [c["args"] for c in server.calls] == [["0"], ["1"], ["0"]]
+    allocator = result["allocator"]
+    assert allocator["method"] == "qs_memory_stats"
+    start, warm, end = allocator["start"], allocator["after_warmup"], allocator["end"]
+    assert start["available"] and warm["available"] and end["available"]
+    assert warm["peak_reset"] and not start["peak_reset"] and not end["peak_reset"]
+    assert [start["workers"], warm["workers"], end["workers"]] == [[a] for a in server.answers]
+    assert start["workers"][0]["allocated_bytes"] == 1000 * MiB  # nothing served before the first call
+    served = end["workers"][0]["allocated_bytes"] // MiB - 1000
+    assert served > warm["workers"][0]["allocated_bytes"] // MiB - 1000 > 0  # the warm-up, then the rest
+    assert start["workers"][0]["peak_allocated_bytes"] == warm["workers"][0]["peak_allocated_bytes"] == 9000 * MiB
+    summary = allocator["summary"]
+    assert summary == {"workers": 1, "allocated_mib": 1000 + served, "reserved_mib": 4000,
+                       "cached_mib": 3000 - served, "peak_allocated_mib": 1000 + served, "peak_reserved_mib": 4500,
+                       "peak_since": "after_warmup", "alloc_retries": 2, "ooms": 0, "counted_from": "start"}
+    # recorded, not judged: no criterion of its own
+    assert set(result["criteria"]) == CRITERIA
+    line = [x for x in soak.markdown(result).splitlines() if x.startswith("engine allocator")]
+    assert line == [f"engine allocator at the end (worker 0): {1000 + served:,} MiB allocated, 4,000 MiB reserved "
+                    f"({3000 - served:,} MiB kept by the cache); peak since the warm-up {1000 + served:,} MiB "
+                    "allocated / 4,500 MiB reserved; 2 allocation retries and 0 OOMs during the soak (recorded, not "
+                    "judged)"]
+
+
+@pytest.mark.parametrize("mode, reason", [("no-dev-mode", "without VLLM_SERVER_DEV_MODE=1"),
+                                          ("unpatched", "worker-memory-stats.patch not applied")])
+def test_a_server_without_the_figures_is_recorded_not_failed(rpc_server, mode, reason):
+    server = rpc_server(mode)
+    result = soak.run_soak(server.url, "k", options(n=40, pid=os.getpid()))
+    allocator = result["allocator"]
+    for when in ("start", "after_warmup", "end"):
+        assert allocator[when]["available"] is False and reason in allocator[when]["reason"], allocator[when]
+    assert allocator["summary"] is None and set(result["criteria"]) == CRITERIA
+    assert result["criteria"]["no_5xx"]["passed"] and result["criteria"]["expected_answers"]["passed"]
+    assert not result["server_errors"]  # the probe's own 500 is not one of the soak's answers
+    line = [x for x in soak.markdown(result).splitlines() if x.startswith("engine allocator")]
+    assert len(line) == 1 and "unavailable" in line[0] and reason in line[0]
+
+
+def test_an_answer_without_figures_is_unavailable():
+    client = serving.Client("http://127.0.0.1:9")  # nothing listens on the discard port
+    record = soak.allocator_stats(client, timeout_s=2)
+    assert record["available"] is False and record["reason"].startswith("no answer")

@@ -8,5 +8,6 @@ here imports the planning modules of `qwen_serving` (plan, knobs, memory, patchs
 tests/test_structure.py enforces both.
 """
 
-# api: the HTTP server; spec: speculative decoding on the V2 runner; vision: the multimodal encoder
-HOOK_COMPONENTS = ("attn", "sampler", "marlin", "mtp", "kv", "gdn", "env", "api", "spec", "vision")
+# api: the HTTP server; spec: speculative decoding on the V2 runner; vision: the multimodal encoder;
+# worker: the V1 GPU worker and its model runner's own steps (v1/worker/gpu_worker.py, gpu_model_runner.py)
+HOOK_COMPONENTS = ("attn", "sampler", "marlin", "mtp", "kv", "gdn", "env", "api", "spec", "vision", "worker")

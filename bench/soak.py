@@ -44,6 +44,7 @@ from typing import Any
 
 from bench import serving
 from qwen_serving import files
+from qwen_serving.engine.worker_memory_stats import METHOD  # worker-memory-stats.patch's Worker method
 
 CANCELLED = "cancelled"  # the client gave up on purpose (a cancel): the server must drop the request
 NO_ANSWER = "no_answer"  # nothing answered: refused, reset, or a timeout the kind did not ask for
@@ -625,9 +626,6 @@ def gpu_memory_mib() -> list[int] | None:
         return None
 
 
-# patches/worker-memory-stats.patch's Worker method (qwen_serving/engine/worker_memory_stats.py, which imports torch:
-# not imported here), reached over vLLM's dev API
-MEMORY_STATS_METHOD = "qs_memory_stats"
 ALLOCATOR_KEYS = ("allocated_bytes", "reserved_bytes", "peak_allocated_bytes", "peak_reserved_bytes")
 MiB = 1 << 20
 
@@ -637,11 +635,11 @@ def allocator_stats(client: serving.Client, reset_peak: bool = False, timeout_s:
     {"method": "qs_memory_stats", "args": ["1" or "0"]}; "1" resets the peaks once read. Where the server has no
     such route (started without VLLM_SERVER_DEV_MODE=1) or its workers no such method (the patch not applied),
     {"available": False, "reason": ...}: never an error."""
-    body = {"method": MEMORY_STATS_METHOD, "args": ["1" if reset_peak else "0"]}
+    body = {"method": METHOD, "args": ["1" if reset_peak else "0"]}
     status, text = serving.probe(client.base + "/collective_rpc", body, key=client.key, timeout_s=timeout_s)
     if status != 200:
         why = {0: "no answer", 404: "no /collective_rpc route (server started without VLLM_SERVER_DEV_MODE=1)"}.get(
-            status, f"HTTP {status} (a worker without {MEMORY_STATS_METHOD}: worker-memory-stats.patch not applied?)")
+            status, f"HTTP {status} (a worker without {METHOD}: worker-memory-stats.patch not applied?)")
         return {"available": False, "reason": f"{why}: {text.strip()[:300]}"}
     try:
         workers = json.loads(text)["results"]
@@ -858,7 +856,7 @@ def report(facts: ServerFacts, base: str, options: Options, waves: list[Wave], o
         "rss": {**rss, "drift": rss_drift},
         "gpu_memory_mib": {**gpu, "drift_mib": None if not gpu_start or not gpu_end else sum(gpu_end) - sum(gpu_start)},
         # recorded, not judged: what PyTorch's allocator holds vs keeps, from the engine itself (None: not asked)
-        "allocator": None if allocator is None else {"method": MEMORY_STATS_METHOD, **allocator,
+        "allocator": None if allocator is None else {"method": METHOD, **allocator,
                                                       "summary": allocator_summary(allocator)},
         "criteria": criteria, "passed": all(c["passed"] for c in criteria.values()),
     }

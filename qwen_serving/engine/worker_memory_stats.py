@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 METHOD = "qs_memory_stats"  # the Worker method the patch adds: the name /collective_rpc asks for
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off", "")
@@ -44,6 +42,8 @@ def parse_flag(value: str | bool | int | None) -> bool:
 def memory_stats(device: Any = None, reset_peak: str | bool | int | None = "0") -> dict[str, Any]:
     """The allocator's figures for ``device`` (None: the current one), in bytes; with reset_peak, its peak
     statistics are reset after they are read."""
+    import torch  # here, not at the top: bench/soak.py reads METHOD without torch
+
     reset = parse_flag(reset_peak)  # before any reading: a bad argument changes nothing
     stats = torch.cuda.memory_stats(device)
     free, total = torch.cuda.mem_get_info(device)

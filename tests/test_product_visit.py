@@ -218,7 +218,7 @@ def test_a_short_budget_keeps_later_boots_and_says_what_it_skipped(planned):
 
 def test_the_soaks_of_one_wave_run_at_once_and_say_so(planned):
     by = {p.vc.name: p for p in planned}
-    assert pv.expensive_steps(["single", "batch"])[0] == [("single", "soak"), ("batch", "soak")]
+    assert [("single", "soak"), ("batch", "soak")] in pv.expensive_steps(["single", "batch"])
     assert [len(step) for step in pv.expensive_steps(["single"])] == [1, 1, 1, 1]
     rec = sm.Record(Path("/dev/null"), {})
     rec.save = lambda: None
@@ -238,7 +238,7 @@ def test_the_soaks_of_one_wave_run_at_once_and_say_so(planned):
     assert single["soak"] == {"passed": True, "side_by_side_with": ["batch"]}
     assert "soak" not in rec.data["measurements"]["batch"]
     assert rec.data["errors"] == {"batch: soak": "RuntimeError: the batch soak broke"}
-    assert {"quality", "real_rep", "prefill_ab"} <= set(single)  # the parts after the pair still ran
+    assert {"quality", "real_rep", "prefill_ab"} <= set(single)  # the single plan's other parts all ran
     # too little room for the pair: both listed as skipped, neither run
     rec = sm.Record(Path("/dev/null"), {})
     rec.save = lambda: None
@@ -397,7 +397,8 @@ def test_issue_22s_tools_run_on_the_single_user_plan_against_the_prepared_copy_a
     argvs = {}
     monkeypatch.setattr(pv, "tool", lambda ctx, name, part, argv, report, timeout: argvs.setdefault(part, argv))
     single = next(p for p in planned if p.vc.name == "single")
-    assert [part for name, part in pv.EXPENSIVE_ORDER if name == "single"][-3:] == ["quality", "real_rep", "prefill_ab"]
+    # first: the soaks' issue (#21) is done, these are not, and a visit that runs short drops the last parts
+    assert [part for name, part in pv.EXPENSIVE_ORDER if name == "single"][:3] == ["quality", "real_rep", "prefill_ab"]
     ctx = pv.Context(_args(), Path("/out"), {})
     alone = pv.run_part(ctx, single, "http://127.0.0.1:1", "prefill_ab", 300)  # the batch plan is not up
     assert not alone["passed"] and "batch" in alone["error"] and "prefill_ab" not in argvs
@@ -424,6 +425,30 @@ def test_gpu_memory_is_read_per_process_and_summed_over_a_servers_tree():
     assert pv.run_full.server_gpu_mib([2059, 2838, 2839], held) == 22_200
     assert pv.run_full.server_gpu_mib([7, 8], held) is None
     assert pv.run_full.gpu_mib_by_pid(lambda argv, **kw: (_ for _ in ()).throw(OSError("no nvidia-smi"))) == {}
+
+
+def test_the_memory_bound_follows_the_card_the_device_lends(planned):
+    """An H100 (81,559 MiB) keeps the H200's headroom: single and batch still boot together, the #18 group of four
+    DFlash2 servers does not; the H200 and a silent nvidia-smi keep BOUND_GIB."""
+    smi = lambda mib: lambda argv, **kw: argparse.Namespace(stdout=f"{mib}\n")  # noqa: E731
+    h100 = pv.run_full.bound_gib(smi(81_559))
+    assert h100 == pytest.approx(79.6 - pv.run_full.CARD_HEADROOM_GIB, abs=0.1)
+    assert pv.run_full.bound_gib(smi(143_771)) == pv.BOUND_GIB
+    assert pv.run_full.bound_gib(lambda argv, **kw: (_ for _ in ()).throw(OSError("no nvidia-smi"))) == pv.BOUND_GIB
+    assert pv.run_full.bound_gib(smi("")) == pv.BOUND_GIB
+    by = {p.vc.name: p for p in planned}
+    assert len(pv.pack([by["single"], by["batch"]], h100)) == 1
+    group = [by[n] for n in ("dflash2", "dflash2-k15", "dflash2-lookup0", "single")]
+    assert len(pv.pack(group, h100)) > 1 and len(pv.pack(group)) == 1
+    for wave in pv.pack(planned, h100):
+        assert len(wave) == 1 or sum(pv.memory_gib(p)["total"] for p in wave) <= h100
+    rec = sm.Record(Path("/dev/null"), {})
+    rec.save = lambda: None
+    booted = []
+    visit = pv.Visit(group, rec, pv.Budget(100_000), lambda wave, limit: booted.append([p.vc.name for p in wave]) or {
+        p.vc.name: ("up", {}) for p in wave}, lambda p, part, timeout: {"passed": True}, lambda wave: None, bound=h100)
+    visit.run()
+    assert len(booted) > 1 and sorted(n for w in booted for n in w) == sorted(p.vc.name for p in group)
 
 
 def test_mtp_long_is_ctx_long_on_flashinfer_and_only_it_gets_flashinfers_site(planned, vllm_cli):

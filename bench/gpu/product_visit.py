@@ -201,8 +201,8 @@ NOT_TRIED = {
 # The expensive parts, in the order they run (within a wave: those of its servers).
 EXPENSIVE_ORDER: tuple[tuple[str, str], ...] = (
     ("dflash2-k15", "quote25k"), ("dflash2-lookup0", "quote25k"), ("dflash2", "quote25k"),
-    ("single", "soak"), ("batch", "soak"),
     ("single", "quality"), ("single", "real_rep"), ("single", "prefill_ab"),
+    ("single", "soak"), ("batch", "soak"),
     ("dflash2-k15", "labd_soak"),
     ("dflash2", "residue"),
     ("dflash2-huge", "max_request"), ("mtp-huge", "max_request"), ("mtp-long", "max_request"),
@@ -760,9 +760,9 @@ class Visit:
     def __init__(self, planned: Sequence[Planned], rec: sm.Record, budget: Budget,
                  boot: Callable[[Sequence[Planned], float], dict[str, tuple[str, dict]]],
                  measure: Callable[[Planned, str, float], dict], stop: Callable[[Sequence[Planned]], None],
-                 judge: Callable[[], None] = lambda: None):
+                 judge: Callable[[], None] = lambda: None, bound: float = BOUND_GIB):
         self.rec, self.budget, self.boot_wave, self.measure_part, self.stop = rec, budget, boot, measure, stop
-        self.judge = judge
+        self.judge, self.bound = judge, bound
         self.todo = [p for p in planned if p.cmd is not None]
         self.booted: list[tuple[Planned, dict]] = []
         data = rec.data
@@ -778,7 +778,7 @@ class Visit:
     def run(self) -> None:
         index = 0
         while self.todo:
-            waves = pack(self.todo, seen=memory_classes(self.booted))
+            waves = pack(self.todo, self.bound, seen=memory_classes(self.booted))
             wave, later = waves[0], waves[1:]
             need = boot_s(wave, first=index == 0)
             if self.budget.left() < need:
@@ -1010,6 +1010,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     budget = Budget(args.budget_s)
+    bound = run_full.bound_gib()
     env = {**os.environ, **smoke_lib.DEVICE_ENV, "PYTHONPATH": os.pathsep.join([str(args.site), str(REPO)])}
     rec = sm.Record(out / REPORT, {
         "schema": SCHEMA, "date": datetime.now(UTC).isoformat(timespec="seconds"), "gpu": smoke_lib.gpu_description(), "host_cpu": smoke_lib.host_cpu(),
@@ -1018,7 +1019,7 @@ def run(args: argparse.Namespace) -> int:
         "patches": sm.patch_state(args.patched_site, args.python, {**env, "PYTHONPATH": os.pathsep.join(
             [str(args.patched_site), env["PYTHONPATH"]])}),
         "checkpoint": {"dir": str(args.ckpt), "prepared_dir": str(args.prepared_ckpt), "drafter": str(args.drafter)},
-        "budget_s": args.budget_s, "limits_s": LIMITS, "estimates_s": ESTIMATES, "bound_gib": BOUND_GIB,
+        "budget_s": args.budget_s, "limits_s": LIMITS, "estimates_s": ESTIMATES, "bound_gib": bound,
         "not_tried": NOT_TRIED, "phases_s": {}, "servers": {}, "measurements": {}, "checks": {}, "skipped": [],
         "errors": {}, "waves": []})
     # 1. the checkpoint, its prepared copy and the drafter (the last two side by side, both on the CPU)
@@ -1101,7 +1102,7 @@ def run(args: argparse.Namespace) -> int:
             rec.data["servers"][name]["log_tail"] = s.log_tail(40)
             smoke_lib.trim_to_tail(s.log_path, 8 << 20)
 
-    visit = Visit(planned, rec, budget, boot, measure, stop, checks)
+    visit = Visit(planned, rec, budget, boot, measure, stop, checks, bound)
     try:
         visit.run()
     finally:

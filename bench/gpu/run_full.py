@@ -36,6 +36,7 @@ GiB = memory.GiB
 GRAPHS_GIB = memory.CUDAGRAPH_BYTES / GiB
 OVERHEAD_GIB = memory.ACTIVATION_PEAK_BYTES / GiB + 1.0
 BOUND_GIB = 130.0  # of the H200's 140.4 GiB: visit 10 read 111 GiB in use with four 27B servers beside the smoke servers
+CARD_HEADROOM_GIB = 10.4  # what BOUND_GIB leaves of the H200, kept on any card
 Item = TypeVar("Item")
 
 
@@ -166,6 +167,19 @@ def gpu_state() -> str:
                               capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "nvidia-smi not available"
+
+
+def bound_gib(query=subprocess.run) -> float:
+    """BOUND_GIB on the H200; on a smaller card (the device may lend an H100, 79.6 GiB) its total memory less the
+    same headroom, so that a wave packed for the H200 does not boot out of memory there. BOUND_GIB where
+    nvidia-smi does not answer."""
+    try:
+        out = query(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                    capture_output=True, text=True, timeout=30).stdout.split()
+        total_gib = int(out[0]) / 1024
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return BOUND_GIB
+    return round(min(BOUND_GIB, total_gib - CARD_HEADROOM_GIB), 1)
 
 
 def gpu_mib_by_pid(query=subprocess.run) -> dict[int, int]:

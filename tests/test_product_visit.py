@@ -219,7 +219,7 @@ def test_a_short_budget_keeps_later_boots_and_says_what_it_skipped(planned):
 def test_the_soaks_of_one_wave_run_at_once_and_say_so(planned):
     by = {p.vc.name: p for p in planned}
     assert [("single", "soak"), ("batch", "soak")] in pv.expensive_steps(["single", "batch"])
-    assert [len(step) for step in pv.expensive_steps(["single"])] == [1, 1, 1, 1]
+    assert [len(step) for step in pv.expensive_steps(["single"])] == [1, 1, 1, 1, 1]
     rec = sm.Record(Path("/dev/null"), {})
     rec.save = lambda: None
     together = threading.Barrier(2, timeout=10)  # passes only while both soaks are inside measure at once
@@ -382,11 +382,11 @@ def test_the_launcher_plans_serve_with_a_key_and_their_parts_send_it(planned, mo
     ctx = pv.Context(_args(), Path("/out"), {})
     for p in planned:
         if p.vc.name in ("single", "dflash2-vision"):
-            for part in ("greedy", "api", "soak"):
+            for part in ("greedy", "api", "soak", "residue", "quote25k", "labd_soak", "max_request", "retrieval"):
                 pv.run_part(ctx, p, "http://127.0.0.1:1", part, 300)
     assert clients == [pv.VISIT_API_KEY, None]
     for name, key in (("single", pv.VISIT_API_KEY), ("dflash2-vision", None)):
-        for part in ("api", "soak"):
+        for part in ("api", "soak", "residue", "quote25k", "labd_soak", "max_request", "retrieval"):
             argv = argvs[(name, part)]
             assert (argv[argv.index("--api-key") + 1] if "--api-key" in argv else None) == key, (name, part)
         soak = argvs[(name, "soak")]

@@ -203,6 +203,7 @@ EXPENSIVE_ORDER: tuple[tuple[str, str], ...] = (
     ("dflash2-k15", "quote25k"), ("dflash2-lookup0", "quote25k"), ("dflash2", "quote25k"),
     ("single", "quality"), ("single", "real_rep"), ("single", "prefill_ab"),
     ("single", "soak"), ("batch", "soak"),
+    ("single", "residue"),  # #20 item 3 on the shipped MTP plan: R = 1 + k is mtp-uniform-decode-guard.patch's case
     ("dflash2-k15", "labd_soak"),
     ("dflash2", "residue"),
     ("dflash2-huge", "max_request"), ("mtp-huge", "max_request"), ("mtp-long", "max_request"),
@@ -708,14 +709,15 @@ def run_part(ctx: Context, p: Planned, url: str, part: str, timeout: float) -> d
                     timeout)
     if part == "quote25k":
         return tool(ctx, name, part, ["bench/labd_bench.py", f"{name}-quote25k", "--url", url, "--scripted", ckpt,
-                                      "--ctx", str(QUOTE_CTX), "--tasks", "copy", "--out", str(out), "--force"],
+                                      "--ctx", str(QUOTE_CTX), "--tasks", "copy", "--out", str(out), "--force",
+                                      *keyed],
                     out / f"{name}-quote25k-labd.json", timeout)
     if part == "labd_soak":
         return tool(ctx, name, part, ["bench/labd_soak.py", name, "--url", url, "--scripted", ckpt, "--rounds", "3",
-                                      "--out", str(out), "--force"], out / f"{name}-labd-soak.json", timeout)
+                                      "--out", str(out), "--force", *keyed], out / f"{name}-labd-soak.json", timeout)
     if part == "residue":
         return tool(ctx, name, part, ["bench/residue_sweep.py", name, "--url", url, "--scripted", ckpt,
-                                      "--out", str(out), "--force"], out / f"{name}-residue.json", timeout)
+                                      "--out", str(out), "--force", *keyed], out / f"{name}-residue.json", timeout)
     if part == "soak":
         report = out / f"{name}-soak.json"
         return tool(ctx, name, part, ["bench/gpu/soak_visit.py", "--url", url, "--out", str(report), "--mode",
@@ -725,7 +727,7 @@ def run_part(ctx: Context, p: Planned, url: str, part: str, timeout: float) -> d
         prompt = max_len(p) - SEGMENT
         return tool(ctx, name, part, ["bench/retrieval_depth.py", f"{name}-max", "--url", url, "--scripted", ckpt,
                                       "--depths", "8192", "--prompt-tokens", str(prompt), "--followup-prefix", "0",
-                                      "--timeout", str(int(timeout)), "--out", str(out), "--force"],
+                                      "--timeout", str(int(timeout)), "--out", str(out), "--force", *keyed],
                     out / f"retrieval-{name}-max.json", timeout)
     if part == "quality":
         report = out / f"{QUALITY_TAG}-quality.json"
@@ -745,7 +747,7 @@ def run_part(ctx: Context, p: Planned, url: str, part: str, timeout: float) -> d
                     out / f"{QUALITY_TAG}-prefill-ab.json", timeout)
     if part == "retrieval":
         return tool(ctx, name, part, ["bench/retrieval_depth.py", name, "--url", url, "--scripted", ckpt,
-                                      "--timeout", str(int(timeout)), "--out", str(out), "--force"],
+                                      "--timeout", str(int(timeout)), "--out", str(out), "--force", *keyed],
                     out / f"retrieval-{name}.json", timeout)
     raise ValueError(f"unknown part {part!r}")
 

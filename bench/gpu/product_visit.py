@@ -104,9 +104,12 @@ LIMITS = {"synth": 420, "prepare": 420, "drafter": 300, "variant_step": 600, "bo
 # visits 13-14 took: greedy 7-14 s (mtp-huge 50), api 6-9, quote25k 11-15, soak 100-115 (180 s budget then),
 # labd_soak 22, residue 149-155 at 384-639-token prompts (1,024 and up now: past two blocks); visit 16: the two soaks
 # side by side 234 s, quality 13 s before its closed form became the float32 reference forward (not timed on a GPU
-# yet: 64 layers over four 1,024-id walks, the weights dequantized on the device)
+# yet: 64 layers over four 1,024-id walks, the weights dequantized on the device; 90 s is a guess). prefill_ab: each
+# measurement a `vllm bench serve` call of 3 requests at 4,096 tokens (~20 s with its start), two arms, two rounds
+# when the first two agree, three at most; a part that outruns its estimate is cut at what is left and keeps what
+# it wrote (both repeats reports are rewritten after every measurement)
 ESTIMATES = {"greedy": 15, "api": 20, "quote25k": 25, "soak": 300, "labd_soak": 40, "residue": 240,
-             "retrieval": 420, "quality": 150, "real_rep": 150, "prefill_ab": 180}
+             "retrieval": 420, "quality": 90, "real_rep": 150, "prefill_ab": 120}
 # prefill rate the estimate of a max-length request assumes: visit 14's 245,696-token prompt (DFlash2, CTX=huge,
 # int4 KV on Triton) had not finished after 317 s (below 775 tok/s, whatever held it); 500 is a guess under that
 MAX_REQUEST_TOK_S = 500

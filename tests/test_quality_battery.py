@@ -456,3 +456,33 @@ def test_scripted_battery_on_the_prepared_copy_reads_its_closed_form_from_the_in
     ours = json.loads((tmp_path / "p-quality.json").read_text())["scripted"]["check"]
     raw = json.loads((tmp_path / "r-quality.json").read_text())["scripted"]["check"]
     assert ours["within_tolerance"] and ours["logprob_diff_rms"] < raw["logprob_diff_rms"]
+
+
+def test_the_reference_forward_alone_times_its_phases_and_sets_it_against_the_table(scripted_tiny, tmp_path):
+    """bench/gpu/reference_forward.py (the check's forward without a server, to time it at full size on the GPU):
+    the battery's walks, the forward's values as forward_logprobs gives them, the table's closed form beside them."""
+    import importlib.util
+
+    import torch
+
+    from qwen_serving.checkpoint.scripted import Design
+    from qwen_serving.checkpoint.scripted_reference import Reference
+
+    torch.set_num_threads(1)
+    spec = importlib.util.spec_from_file_location("reference_forward", REPO / "bench/gpu/reference_forward.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "forward.json"
+    assert tool.main(["--ckpt", str(scripted_tiny), "--out", str(out), "--device", "cpu", "--tokens", "300",
+                      "--walk", "128"]) == 0
+    data = json.loads(out.read_text())
+    assert data["walks"] == [128, 128, 47] and data["peak_gib"] is None
+    assert set(data["phases_s"]) == {"reference", "table", "walks", "forward"}  # the checkpoint was there
+    ref = Reference(scripted_tiny)
+    table = qb.ContextFreeTable(ref, Design.read(scripted_tiny).active)
+    walks = qb.scripted_walks(table, 300, 128)
+    forward, top = qb.forward_logprobs(ref, walks)
+    expected = qb.compare([lp for w in forward for lp in w], [lp for w in walks for lp in table.closed_form(w)],
+                          [t for w in top for t in w], [table.argmax(t) for w in walks for t in w[:-1]])
+    assert data["forward_vs_table"] == pytest.approx(expected)
+    assert len(data["per_walk_vs_table"]) == 3 and data["per_walk_vs_table"] != [0.0] * 3

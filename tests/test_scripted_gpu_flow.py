@@ -127,6 +127,10 @@ def test_waves_are_packed_by_memory_in_order(tmp_path):
         sm.server_gib(s.cfg) for s in (*full[0], full[1][0])) > sm.run_full.BOUND_GIB
     for k in sm.SWEEP_ORDER:  # each k's pair boots in one wave
         assert len({i for i, w in enumerate(full) for s in w if s.cfg.name.endswith(f"-mtp{k}")}) == 1, k
+    # an H100 (run_full.bound_gib's 69.2 GiB): smaller waves, the same servers in the same order
+    h100 = sm.waves(args, tmp_path, bound=69.2)
+    assert len(h100) > len(full) and [s.cfg.name for w in h100 for s in w] == [s.cfg.name for w in full for s in w]
+    assert all(len(w) == 1 or sum(sm.server_gib(s.cfg) for s in w) <= 69.2 for w in h100)
     order = [s.cfg.name for w in full for s in w]
     assert order == [*fb.SCRIPTED_CONFIGS, *fb.SCRIPTED_VARIANTS,
                      *(f"scripted-{which}-mtp{k}" for k in sm.SWEEP_ORDER for which in ("patched", "stock")),

@@ -634,13 +634,14 @@ def server_gib(cfg: fb.BenchConfig) -> float:
             + run_full.OVERHEAD_GIB)
 
 
-def waves(args: argparse.Namespace, out: Path, taken: Sequence[str] = ()) -> list[list[run_full.Server]]:
+def waves(args: argparse.Namespace, out: Path, taken: Sequence[str] = (),
+          bound: float = run_full.BOUND_GIB) -> list[list[run_full.Server]]:
     """The first wave's servers (with --ablate, the plan's k=4 server and its ablations lead, one group, so that they
     boot side by side), then the variants', the sweep's in SWEEP_ORDER (each k's pair together: the
     single-user plan's, then stock's) and the high-agreement server, less those --from-run took from an earlier run
     (and the high-agreement one when args.high_agree is 0). Packed in that order: a wave takes whole groups (a k's
-    pair is one) while the memory estimate stays within run_full.BOUND_GIB, so a budget that ends the run early
-    leaves whole pairs. Ports are never reused."""
+    pair is one) while the memory estimate stays within `bound` (the run passes run_full.bound_gib(), the lent
+    card's), so a budget that ends the run early leaves whole pairs. Ports are never reused."""
     pairs = [[fb.SCRIPTED_SWEEP[f"scripted-{which}-mtp{k}"] for which in ("patched", "stock")] for k in SWEEP_ORDER]
     high = list(fb.SCRIPTED_HIGH_AGREE.values()) if args.high_agree else []
     first = [[c] for c in fb.SCRIPTED_CONFIGS.values()]
@@ -652,7 +653,7 @@ def waves(args: argparse.Namespace, out: Path, taken: Sequence[str] = ()) -> lis
     used = 0.0
     for group in ([c for c in g if c.name not in taken] for g in groups):
         need = sum(server_gib(c) for c in group)
-        if out_waves[-1] and used + need > run_full.BOUND_GIB:
+        if out_waves[-1] and used + need > bound:
             out_waves.append([])
             used = 0.0
         out_waves[-1] += group
@@ -1212,7 +1213,7 @@ def run(args: argparse.Namespace) -> int:
             rec.data["errors"]["from_run"] = f"{type(err).__name__}: {err}"
             rec.save()
             return 1
-    all_waves = waves(args, out, taken)
+    all_waves = waves(args, out, taken, run_full.bound_gib())
     # the high-agreement copy (CPU work) while the first waves boot and measure, when a server of it is still to
     # boot (--from-run may have taken it); that server waits for it
     high_copy = (in_background(make_high_copy, args, env, out, left)
@@ -1453,9 +1454,10 @@ def check_ablations(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                 "--from-run-servers")
     beside = server_gib(fb.SCRIPTED_CONFIGS[ABLATION_BASE]) + sum(
         server_gib(fb.scripted_ablation(patch)) for patch in args.ablate)
-    if beside > run_full.BOUND_GIB:
+    bound = run_full.bound_gib()  # on the device: the lent card's (an H100 holds fewer than the H200)
+    if beside > bound:
         p.error(f"--ablate: {len(args.ablate)} ablations and the plan's k=4 server need ~{beside:.0f} GiB, more than "
-                f"one wave's {run_full.BOUND_GIB}: ablate fewer patches per run")
+                f"one wave's {bound} on this card: ablate fewer patches per run")
 
 
 def make_only(args: argparse.Namespace) -> int:

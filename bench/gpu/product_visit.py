@@ -206,7 +206,7 @@ EXPENSIVE_ORDER: tuple[tuple[str, str], ...] = (
     ("dflash2-k15", "quote25k"), ("dflash2-lookup0", "quote25k"), ("dflash2", "quote25k"),
     ("single", "quality"), ("single", "real_rep"), ("single", "prefill_ab"),
     ("single", "soak"), ("batch", "soak"),
-    ("single", "residue"),  # #20 item 3 on the shipped MTP plan: R = 1 + k is mtp-uniform-decode-guard.patch's case
+    ("single", "residue"),  # #20 item 3 on the shipped MTP plan (CTX=fast, FULL graphs, prefix caching)
     ("dflash2-k15", "labd_soak"),
     ("dflash2", "residue"),
     ("dflash2-huge", "max_request"), ("mtp-huge", "max_request"), ("mtp-long", "max_request"),

@@ -15,6 +15,7 @@ import torch
 
 from qwen_serving.engine import sampler_routing
 from tests.helpers.engine_trees import load
+from tests.helpers.sampler_rows import designed
 
 VOCAB = 300
 
@@ -60,6 +61,62 @@ def stock_mask(logits, k, p):
     return apply_top_k_top_p_pytorch(logits.clone(), k, p).isinf()
 
 
+def exactly_k(logits, k, p):
+    """What vLLM's Triton top-k/top-p keeps, as a reference: the k largest logits, ties taken by lowest index (its
+    kernel's tie rule), then top-p over them as the sort does."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices
+    ranks = torch.empty_like(order).scatter_(1, order, torch.arange(logits.shape[1]).expand_as(order))
+    kept = logits.masked_fill(ranks >= k[:, None], float("-inf"))
+    return kept if p is None else apply_top_k_top_p_pytorch(kept, None, p)
+
+
+@pytest.fixture
+def cuda_dispatch(monkeypatch):
+    """The patched module's dispatch as on CUDA: under 8 rows vLLM's torch sort (stable, as CUDA's radix sort is:
+    use with `stable_sort`), from 8 rows its Triton top-k/top-p, which does not run interpreted. It is stood in for
+    by `exactly_k`; the rows of every call to it are recorded."""
+    from vllm.v1.sample.ops import topk_topp_sampler as patched
+
+    triton_rows = []
+
+    def triton(logits, k, p):
+        triton_rows.append(logits.shape[0])
+        return exactly_k(logits, k, p)
+
+    monkeypatch.setattr(patched.current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(patched, "HAS_TRITON", True)
+    monkeypatch.setattr(patched, "apply_top_k_top_p_triton", triton)
+    return triton_rows
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8, 16, 64])
+def test_the_dispatch_keeps_stock_vllms_masks_at_every_batch_size(rows, cuda_dispatch, stable_sort, kernel_calls):
+    """Issue #17: the distribution is exactly vLLM's. Under 8 rows the kernel gives the sort's masks, ties and exact
+    top-p cuts included; from 8 rows vLLM's Triton path runs untouched (it keeps exactly k at a tie, the kernel
+    would keep all 11 tied tokens)."""
+    from vllm.v1.sample.ops import topk_topp_sampler as patched
+
+    from qwen_serving.engine.kernels.topk_topp import apply_top_k_top_p_small_k
+
+    logits, k, p = designed(rows, VOCAB)
+    masks = {}
+    for pp in (p, None):
+        want = patched.apply_top_k_top_p(logits.clone(), k, pp)  # no host bound: vLLM's own dispatch
+        got = patched.apply_top_k_top_p(logits.clone(), k, pp, int(k.max()))
+        assert torch.equal(got, want), rows
+        masks[pp is None] = want.isinf()
+    if rows >= 4:  # the designed cuts, as the sort and the Triton path both make them
+        assert (~masks[False][2]).sum() == 5 and (~masks[False][3]).sum() == 3
+    if rows < 8:
+        assert kernel_calls == ["apply_top_k_top_p_small_k"] * 2 and cuda_dispatch == []
+    else:
+        assert kernel_calls == [] and cuda_dispatch == [rows] * 4
+        kernel = apply_top_k_top_p_small_k(logits.clone(), k, None, int(k.max())).isinf()
+        assert (~kernel[1]).sum() == 11 and (~masks[True][1]).sum() == 4  # the tie row tells the two apart
+
+
 def test_routing_takes_only_what_the_kernel_handles(monkeypatch):
     logits, k, p = batch(4)
     assert sampler_routing.takes_small_k(logits, k, p, 20)
@@ -101,10 +158,10 @@ def test_apply_top_k_top_p_matches_pristine_vllm(monkeypatch, stable_sort, kerne
     assert len(kernel_calls) == 1
 
 
-def test_topk_topp_sampler_forward_native(stable_sort, kernel_calls):
+def test_topk_topp_sampler_forward_native(cuda_dispatch, stable_sort, kernel_calls):
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
-    logits, k, p = batch()
+    logits, k, p = batch(6)
     sampler = TopKTopPSampler(logprobs_mode="processed_logits")
     seeded = {2: torch.Generator().manual_seed(5)}
     tokens, processed = sampler.forward_native(logits.clone(), seeded, k, p, int(k.max()))
@@ -130,7 +187,7 @@ def sampling_metadata(k, p, temperature, top_k_max):
         bad_words_token_ids={}, logitsprocs=LogitsProcessors(), top_k_max=top_k_max)
 
 
-def test_rejection_sampler_constraints_per_token(stable_sort, kernel_calls):
+def test_rejection_sampler_constraints_per_token(cuda_dispatch, stable_sort, kernel_calls):
     # the verify step: per-request k/p expanded to every draft token's row
     from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
 
@@ -169,7 +226,7 @@ def test_input_batch_reports_host_top_k_max():
     assert add(3, SamplingParams(temperature=0.0)) == VOCAB  # greedy rows have no top-k
 
 
-def test_v2_sampling_states(monkeypatch, stable_sort, kernel_calls):
+def test_v2_sampling_states(monkeypatch, cuda_dispatch, stable_sort, kernel_calls):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.worker.gpu import buffer_utils
     from vllm.v1.worker.gpu.sample import sampler as v2_sampler

@@ -1,6 +1,7 @@
 """Engine hooks on a GPU: sampler-small-topk.patch, spec-decode-attn.patch, prefill-int8-attn.patch.
 
-- the patched apply_top_k_top_p at the real 248k vocabulary gives vLLM's own masks;
+- the patched apply_top_k_top_p at the real 248k vocabulary gives the masks of vLLM's own dispatch at 1, 4, 8, 16
+  and 64 rows, tied and exact-top-p rows included (tests/helpers/sampler_rows.py);
 - the patched FlashAttentionImpl at the 27B attention geometry (24 query / 4 KV heads, head_dim 256): verify
   batches through the split-KV kernel and a 2048-token prefill chunk after 12k of context through the int8
   kernel agree with FlashAttention 2 and 3 on the same paged cache;
@@ -28,6 +29,7 @@ import smoke_lib as lib
 
 from bench import serving
 from qwen_serving.model import HEAD_DIM, KV_HEADS, Q_HEADS, VOCAB
+from tests.helpers.sampler_rows import designed
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +58,7 @@ def _save() -> None:
 
 def test_sampler_masks_equal_vllm_at_full_vocab(monkeypatch):
     monkeypatch.setenv("VLLM_SMALL_TOPK_SAMPLER", "1")
-    torch = _cuda()
+    _cuda()
     from vllm.v1.sample.ops import topk_topp_sampler as stock
 
     from qwen_serving.engine import sampler_routing
@@ -64,20 +66,18 @@ def test_sampler_masks_equal_vllm_at_full_vocab(monkeypatch):
     calls = []
     real = sampler_routing.apply_top_k_top_p_small_k
     monkeypatch.setattr(sampler_routing, "apply_top_k_top_p_small_k", lambda *a, **k: calls.append(1) or real(*a, **k))
-    gen = torch.Generator(device="cuda").manual_seed(0)
     mismatched = {}
-    # vLLM's sort-based rule (its path below 8 rows; from 8 rows up it switches to a Triton top-k)
-    for rows in (1, 5, 12):
-        logits = (torch.randn(rows, VOCAB, device="cuda", generator=gen) * 3).bfloat16().float()
-        k = torch.randint(1, 65, (rows,), device="cuda", generator=gen)
-        p = torch.rand(rows, device="cuda", generator=gen) * 0.9 + 0.05
+    # vLLM's own dispatch (no host bound): its sort below 8 rows, its Triton top-k/top-p from 8 rows, which keeps
+    # exactly k tokens at a tie; the kernel stands in below 8 rows only (issue #17: the distribution exactly vLLM's)
+    for rows in (1, 4, 8, 16, 64):
+        logits, k, p = designed(rows, VOCAB, device="cuda")
         for pp in (p, None):
-            want = stock.apply_top_k_top_p_pytorch(logits.clone(), k, pp).isinf()
+            want = stock.apply_top_k_top_p(logits.clone(), k, pp).isinf()
             got = stock.apply_top_k_top_p(logits.clone(), k, pp, int(k.max())).isinf()
             mismatched[f"rows={rows} top_p={pp is not None}"] = int((got != want).any(dim=1).sum())
     _record["sampler_rows_with_other_masks"] = mismatched
     _save()
-    assert len(calls) == 6
+    assert len(calls) == 4  # rows 1 and 4, with and without top-p
     assert not any(mismatched.values()), mismatched
 
 

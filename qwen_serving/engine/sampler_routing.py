@@ -4,8 +4,9 @@ patches/sampler-small-topk.patch hands vLLM's ``apply_top_k_top_p`` the batch's 
 host array vLLM fills the device top-k from (so no device sync), and calls these functions, which decide from
 shapes, dtypes and that bound alone. Anything they do not take returns None and vLLM's own path runs.
 
-The kernel's masks are vLLM's (ties included, tests/test_kernel_topk_topp.py), so the target distribution is
-unchanged. Drafts are different: vLLM samples them from the plain softmax and ignores top-k/top-p; sampling them
+The patch asks only where vLLM's own dispatch would sort (under 8 rows on CUDA; from 8 rows vLLM's Triton
+top-k/top-p keeps exactly k at a tie and runs as it is), and there the kernel's masks are the sort's (ties
+included, tests/test_kernel_topk_topp.py), so the target distribution is unchanged. Drafts are different: vLLM samples them from the plain softmax and ignores top-k/top-p; sampling them
 from the target's truncated support instead only changes the proposal distribution q, which rejection sampling
 corrects for exactly, and spares drafts that the target could never accept.
 """

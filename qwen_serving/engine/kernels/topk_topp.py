@@ -5,7 +5,9 @@ top-k is at most ``MAX_K`` and the caller knows a bound ``k_max`` on the host, t
 ``torch.topk(logits, k_max + 1)``, so top-p only needs those candidates, and the full-vocabulary work is
 one pass writing probabilities (and/or the masked logits) over several programs per row.
 
-Semantics are exactly vLLM's, ties included. In vLLM's ascending (stable) sort, equal values are ordered by
+Semantics are exactly those of vLLM's sort path, ties included (sampler-small-topk.patch hands the kernel only
+the batches vLLM's dispatch would sort; its Triton path, from 8 rows on CUDA, keeps exactly k at a tie and runs
+as it is). In vLLM's ascending (stable) sort, equal values are ordered by
 index, so the kept set is always ``{(x, i) >= (cut_value, cut_index)}`` in (value, index) order:
 - top-k keeps every logit >= the k-th largest value, so ties at the k-th value are all kept (more than k
   tokens survive);

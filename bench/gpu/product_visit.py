@@ -13,13 +13,15 @@ installs, --quant-site); where that site is not installed they are listed under 
 
 Order (what a budget cut leaves out last to first):
 1. every config boots (a boot is a Must-show): CONFIGS in priority order, packed first-fit into waves whose memory
-   estimate (weights + CUDA graphs + pinned pool + overhead, `memory_gib`) stays within BOUND_GIB; a later wave is
+   estimate (weights + CUDA graphs + pinned pool + overhead, `memory_gib`) stays within the card's bound
+   (run_full.bound_gib: BOUND_GIB on the H200, less on a smaller card); a later wave is
    packed again from the boot facts of the servers already up (their measured weights and graphs per class);
 2. per server, one at a time, the cheap checks (CHEAP): the pool in tokens from the log against the memory model,
    greedy answers (8 prompts x 512 tokens) against the designed chain and, within #18's group, token-identical
    across LOOKUP, DFLASH_TOKENS and no speculation (visit 9's answers), api_smoke;
-3. the expensive parts (EXPENSIVE_ORDER): the 25k-token quote at DFLASH_TOKENS=15/7 and LOOKUP=0, the
-   1,000-request soaks, labd_soak, DFlash2's residue sweep, the longest request each long-context plan takes, the
+3. the expensive parts (EXPENSIVE_ORDER): the 25k-token quote at DFLASH_TOKENS=15/7 and LOOKUP=0, issue #22's
+   quality check, real_rep and prefill_ab, the 1,000-request soaks, the shipped MTP plan's residue sweep,
+   labd_soak, DFlash2's residue sweep, the longest request each long-context plan takes, the
    CTX=huge residue sweep, retrieval at depth.
 Before the next wave boots, a wave's cheap parts keep that wave's boot in reserve, its expensive parts the boot and
 the cheap parts of the waves still to come. What does not fit is listed under `skipped` with why.

@@ -303,6 +303,16 @@ def forward_logprobs(ref, walks: list[list[int]]) -> tuple[list[list[float]], li
     return logprobs, tops
 
 
+def forward_peak_gib(device: str) -> float | None:
+    """The GPU memory peak of this process so far (torch.cuda.max_memory_allocated), GiB; None off CUDA. Beside a
+    server on one GPU, what the check adds to the card's use."""
+    if not str(device).startswith("cuda"):
+        return None
+    import torch
+
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2)
+
+
 def compare(measured: list[float], expected: list[float], engine_top: list[int], expected_top: list[int]) -> dict:
     """Battery perplexity against a closed form over the same tokens, and how the per-token values differ."""
     if len(measured) != len(expected) or len(engine_top) != len(expected_top) or len(measured) != len(engine_top):
@@ -428,6 +438,7 @@ def run_scripted(client: serving.Client, model: str, results: Results, model_dir
     started = time.monotonic()
     forward, forward_top = forward_logprobs(ref, [w["ids"] for w in done])
     section["forward_s"] = round(time.monotonic() - started, 2)
+    section["forward_peak_gib"] = forward_peak_gib(device)
     for walk, lp in zip(done, forward, strict=True):
         walk["forward"] = lp  # per token, so a failure can be traced to the walk and position that carry it
     measured = [lp for w in done for lp in w["logprobs"]]

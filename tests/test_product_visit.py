@@ -651,3 +651,11 @@ def test_a_variants_greedy_acceptance_is_judged_against_its_sources_server():
         assert pv.judge(data, {}, None, [])[table] == {"passed": passed, "not_lower": not_lower, "matrices": 2}
     data["variants"] = {"shape": {"shape_held_out_error": rows, "shape_gptq_not_lower": None}}  # rtn: no GPTQ
     assert table not in pv.judge(data, {}, None, [])
+
+
+def test_the_quality_summary_keeps_the_check_and_what_the_forward_cost():
+    data = {"check_passed": True, "scripted": {"check": {"relative_difference": 0.001}, "forward_s": 41.5,
+                                               "forward_peak_gib": 12.3, "walks": [{"ids": [1, 2]}]}}
+    assert pv.summarize_tool("quality", data) == {"check": {"relative_difference": 0.001}, "check_passed": True,
+                                                  "forward_s": 41.5, "forward_peak_gib": 12.3}
+    assert pv.summarize_tool("quality", {"check_passed": False})["forward_s"] is None  # the check never got there

@@ -358,6 +358,7 @@ def test_scripted_battery_matches_the_closed_form(scripted_tiny, tmp_path, capsy
     assert "tolerance" not in design and "not judged" in design["closed_form"]
     assert 0.02 < design["logprob_diff_rms"] < 0.1 and design["top1_agreement"] == 1.0
     assert data["scripted"]["forward_s"] >= 0 and all(len(w["forward"]) == 100 for w in data["scripted"]["walks"])
+    assert data["scripted"]["forward_peak_gib"] is None  # the forward ran on the CPU
     assert len(check["per_walk"]) == 3 and max(map(abs, check["per_walk"])) < 2e-3
     out = capsys.readouterr().out
     assert "reference forward (judged)" in out and "not judged: context-free table" in out

@@ -689,7 +689,9 @@ def summarize_tool(part: str, data: dict | None) -> dict | None:
     if part == "labd_soak":
         return {k: data.get(k) for k in ("passed", "summary") if k in data}
     if part == "quality":
-        return {"check": (data.get("scripted") or {}).get("check"), "check_passed": data.get("check_passed")}
+        scripted = data.get("scripted") or {}
+        return {"check": scripted.get("check"), "check_passed": data.get("check_passed"),
+                "forward_s": scripted.get("forward_s"), "forward_peak_gib": scripted.get("forward_peak_gib")}
     if part == "real_rep":
         return data.get("summary")
     if part == "prefill_ab":

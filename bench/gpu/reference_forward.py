@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             "gpu": smoke_lib.gpu_description(), "versions": smoke_lib.package_versions(("torch", "triton")),
             "checkpoint": str(args.ckpt), "device": args.device, "tokens": args.tokens,
             "walks": [len(w) for w in walks], "phases_s": phases,
-            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device.startswith("cuda") else None,
+            "peak_gib": qb.forward_peak_gib(args.device),
             "forward_vs_table": qb.compare(measured, closed, [t for w in forward_top for t in w], top_table),
             "per_walk_vs_table": [qb.perplexity(f)["ppl"] / qb.perplexity(table.closed_form(w))["ppl"] - 1
                                   for f, w in zip(forward, walks, strict=True)]}

@@ -428,8 +428,8 @@ def test_gpu_memory_is_read_per_process_and_summed_over_a_servers_tree():
 
 
 def test_the_memory_bound_follows_the_card_the_device_lends(planned):
-    """An H100 (81,559 MiB) keeps the H200's headroom: single and batch still boot together, the #18 group of four
-    DFlash2 servers does not; the H200 and a silent nvidia-smi keep BOUND_GIB."""
+    """An H100 (81,559 MiB) keeps the H200's headroom: single and batch still boot together, #18's three DFlash2
+    servers and the single plan do not; the H200 and a silent nvidia-smi keep BOUND_GIB."""
     smi = lambda mib: lambda argv, **kw: argparse.Namespace(stdout=f"{mib}\n")  # noqa: E731
     h100 = pv.run_full.bound_gib(smi(81_559))
     assert h100 == pytest.approx(79.6 - pv.run_full.CARD_HEADROOM_GIB, abs=0.1)

@@ -17,7 +17,7 @@ The checkpoint is generated first when --ckpt has none (the scripted full design
 from __future__ import annotations
 
 import argparse
-import subprocess
+import os
 import sys
 import time
 from datetime import UTC, datetime
@@ -49,10 +49,10 @@ def main(argv: list[str] | None = None) -> int:
 
     phases: dict[str, float] = {}
     t0 = time.monotonic()
-    if not (args.ckpt / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "qwen_serving.checkpoint.synth", "--size", "full", "--behaviour",
-                        "scripted", "--mtp-agree", str(sm.DEFAULT_AGREE), "--draft-coverage", str(sm.DEFAULT_COVERAGE),
-                        "--seed", str(sm.CHECKPOINT_SEED), "--out", str(args.ckpt)], cwd=REPO, check=True)
+    if not (args.ckpt / "config.json").exists():  # as the product visit makes it (its log: OUT's folder/synth.log)
+        args.agree, args.coverage, args.python = sm.DEFAULT_AGREE, sm.DEFAULT_COVERAGE, sys.executable
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        sm.make_checkpoint(args, dict(os.environ), args.out.parent, lambda limit_s: limit_s)
         phases["synth"] = round(time.monotonic() - t0, 1)
 
     def timed(name, fn):
@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     walks = timed("walks", lambda: qb.scripted_walks(table, args.tokens, args.walk))
     forward, forward_top = timed("forward", lambda: qb.forward_logprobs(ref, walks))
     measured = [lp for w in forward for lp in w]
-    closed = [lp for w in walks for lp in table.closed_form(w)]
+    closed_by_walk = [table.closed_form(w) for w in walks]
+    closed = [lp for w in closed_by_walk for lp in w]
     top_table = [table.argmax(t) for w in walks for t in w[:-1]]
     data = {"schema": "qwen-serving reference-forward/1", "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "gpu": smoke_lib.gpu_description(), "versions": smoke_lib.package_versions(("torch", "triton")),
@@ -76,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             "walks": [len(w) for w in walks], "phases_s": phases,
             "peak_gib": qb.forward_peak_gib(args.device),
             "forward_vs_table": qb.compare(measured, closed, [t for w in forward_top for t in w], top_table),
-            "per_walk_vs_table": [qb.perplexity(f)["ppl"] / qb.perplexity(table.closed_form(w))["ppl"] - 1
-                                  for f, w in zip(forward, walks, strict=True)]}
+            "per_walk_vs_table": [qb.perplexity(f)["ppl"] / qb.perplexity(c)["ppl"] - 1
+                                  for f, c in zip(forward, closed_by_walk, strict=True)]}
     serving.write_json_atomic(args.out, data)
     print(f"reference forward: {phases} peak {data['peak_gib']} GiB; forward vs table "
           f"{data['forward_vs_table']['relative_difference']:+.4%}")
